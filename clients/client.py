@@ -1,0 +1,143 @@
+"""Async client for raystream's gRPC API.
+
+    async with Client("127.0.0.1:9000") as client:
+        async for result in client.classify(paths_or_bytes, batch_size=16):
+            print(result.key, result.labels[0].name if result.ok else result.error)
+
+`classify` sends everything over ONE bidirectional stream, in requests of `batch_size`
+images, keeping up to `max_in_flight` requests outstanding; results arrive per image in
+completion order, each carrying the key it was sent with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from raystream.v1 import classifier_pb2 as pb
+from raystream.v1 import classifier_pb2_grpc as pb_grpc
+
+__all__ = ["Client", "ImageResult", "Label"]
+
+
+@dataclass(frozen=True)
+class Label:
+    class_id: int
+    name: str
+    score: float
+
+
+@dataclass(frozen=True)
+class ImageResult:
+    key: object  # what the caller sent the image as (a path, or its index)
+    labels: tuple[Label, ...]
+    error_code: int = 0  # google.rpc.Code; 0 when the image was classified
+    error: str = ""
+    timing: pb.Timing | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error_code == 0
+
+
+Item = bytes | str | Path | tuple[object, bytes]
+
+
+def _keyed(items: Iterable[Item]) -> Iterable[tuple[object, bytes]]:
+    for index, item in enumerate(items):
+        if isinstance(item, tuple):
+            yield item
+        elif isinstance(item, str | Path):
+            yield item, Path(item).read_bytes()
+        else:
+            yield index, item
+
+
+class Client:
+    def __init__(self, address: str = "127.0.0.1:9000", *, timeout: float | None = None,
+                 max_message_bytes: int = 64 * 1024 * 1024) -> None:
+        self.address = address
+        self._timeout = timeout
+        self._options = [("grpc.max_send_message_length", max_message_bytes),
+                         ("grpc.max_receive_message_length", max_message_bytes)]
+        self._channel: grpc.aio.Channel | None = None
+        self._ids = itertools.count()
+
+    async def __aenter__(self) -> Client:
+        self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
+        self.stub = pb_grpc.ImageClassifierStub(self._channel)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    async def wait_ready(self, timeout: float = 60.0) -> pb.ModelInfo:
+        """Poll GetModelInfo until the server answers (readiness), or raise TimeoutError."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                return await self.model_info(timeout=2.0)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or \
+                        asyncio.get_running_loop().time() > deadline:
+                    raise
+            await asyncio.sleep(0.2)
+
+    async def model_info(self, model: str = "", *, timeout: float | None = None) -> pb.ModelInfo:
+        return await self.stub.GetModelInfo(pb.ModelInfoRequest(model=model),
+                                            timeout=timeout or self._timeout)
+
+    async def classify_once(self, images: list[bytes], *, top_k: int = 5,
+                            model: str = "") -> pb.ClassifyResponse:
+        request = pb.ClassifyRequest(request_id=str(next(self._ids)), images=images,
+                                     top_k=top_k, model=model)
+        return await self.stub.ClassifyOnce(request, timeout=self._timeout)
+
+    async def stream(self, requests: AsyncIterable[pb.ClassifyRequest] | Iterable[
+            pb.ClassifyRequest]) -> AsyncIterator[pb.ClassifyResponse]:
+        """The raw bidi stream: send requests, receive responses (in completion order)."""
+        call = self.stub.Classify(requests, timeout=self._timeout)
+        async for response in call:
+            yield response
+
+    async def classify(self, items: Iterable[Item], *, batch_size: int = 16, top_k: int = 5,
+                       model: str = "", max_in_flight: int = 8) -> AsyncIterator[ImageResult]:
+        """Classify every item over one stream; yields one ImageResult per image.
+
+        Items are bytes, paths, or (key, bytes) pairs. A request-level error (bad top_k,
+        unknown model) is reported on each of that request's images.
+        """
+        pending: dict[str, list[object]] = {}
+        slots = asyncio.Semaphore(max_in_flight)
+
+        async def requests() -> AsyncIterator[pb.ClassifyRequest]:
+            keyed = iter(_keyed(items))
+            while chunk := list(itertools.islice(keyed, batch_size)):
+                await slots.acquire()
+                request_id = str(next(self._ids))
+                pending[request_id] = [key for key, _ in chunk]
+                yield pb.ClassifyRequest(request_id=request_id, images=[d for _, d in chunk],
+                                         top_k=top_k, model=model)
+
+        async for response in self.stream(requests()):
+            slots.release()
+            keys = pending.pop(response.request_id)
+            if response.error.code:
+                for key in keys:
+                    yield ImageResult(key, (), response.error.code, response.error.message,
+                                      response.timing)
+                continue
+            for key, result in zip(keys, response.results, strict=True):
+                labels = tuple(Label(lb.class_id, lb.name, lb.score) for lb in result.labels)
+                yield ImageResult(key, labels, result.error.code, result.error.message,
+                                  response.timing)

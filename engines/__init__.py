@@ -1,0 +1,57 @@
+"""Inference engines behind one protocol (`engines.base.Engine`), chosen by configuration."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Literal
+
+from engines.base import Engine, EngineError, EngineInfo
+from engines.repository import ModelRef
+
+EngineKind = Literal["auto", "onnxruntime", "torch-cuda", "tensorrt"]
+
+__all__ = ["Engine", "EngineError", "EngineInfo", "EngineKind", "create_engine", "pick_engine"]
+
+
+def _cuda_available() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pick_engine(kind: EngineKind) -> str:
+    """`auto`: TensorRT when importable and a GPU is present, else torch-CUDA on a GPU,
+    else ONNX Runtime on the CPU."""
+    if kind != "auto":
+        return kind
+    if _cuda_available():
+        return "tensorrt" if importlib.util.find_spec("tensorrt") is not None else "torch-cuda"
+    return "onnxruntime"
+
+
+def create_engine(kind: EngineKind, model: ModelRef, *, max_batch_size: int = 64,
+                  precision: str = "fp16", **options: object) -> Engine:
+    """Build the engine `kind` for `model`; raises EngineError saying what to change."""
+    chosen = pick_engine(kind)
+    if chosen == "onnxruntime":
+        from engines.onnxruntime import OnnxRuntimeEngine
+
+        return OnnxRuntimeEngine(model, max_batch_size=max_batch_size, **options)
+    if chosen in ("torch-cuda", "tensorrt") and not _cuda_available():
+        raise EngineError(f"engine {chosen!r} needs a CUDA GPU and none is visible to this "
+                          f"replica; give the inference deployment `num_gpus` in "
+                          f"ray_actor_options, or set engine: onnxruntime")
+    if chosen == "torch-cuda":
+        from engines.torch_cuda import TorchCudaEngine
+
+        return TorchCudaEngine(model, max_batch_size=max_batch_size, precision=precision,
+                               **options)
+    if chosen == "tensorrt":
+        from engines.tensorrt import TensorRTEngine
+
+        return TensorRTEngine(model, max_batch_size=max_batch_size, precision=precision,
+                              **options)
+    raise EngineError(f"unknown engine {kind!r}; choose auto, onnxruntime, torch-cuda or "
+                      f"tensorrt")

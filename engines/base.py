@@ -1,0 +1,85 @@
+"""The one engine protocol every backend implements.
+
+An engine owns a compiled model and runs float32 NCHW batches to float32 logits. The public
+`infer()` checks the batch against the engine's input metadata, then calls `_infer()`
+(the Polygraphy runner pattern), so every backend gets the same validation and errors.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def normalize(images: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """uint8 (N, H, W, C) crops -> float32 (N, C, H, W) with (x / 255 - mean) / std per channel."""
+    scale = (1.0 / (255.0 * std)).astype(np.float32)
+    shift = (-mean / std).astype(np.float32)
+    out = images.astype(np.float32) * scale + shift
+    return np.ascontiguousarray(out.transpose(0, 3, 1, 2))
+
+
+class EngineError(RuntimeError):
+    """An engine could not start or run; the message says why and what to change."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine reports about itself (GetModelInfo carries it to clients)."""
+
+    engine: str  # "onnxruntime", "torch-cuda", "tensorrt", "echo"
+    input_shape: tuple[int, int, int]  # (C, H, W); the batch dimension is dynamic
+    num_classes: int
+    max_batch_size: int
+    precision: str  # "fp32", "fp16", "bf16", "int8"
+    device: str  # "cpu", "cuda:0", ...
+
+
+class Engine(abc.ABC):
+    """Load in the constructor, `warmup()` before serving, `infer()` batches, `close()` once.
+
+    Engines are context managers, so tests and benchmarks release GPU memory and graphs
+    deterministically instead of relying on `__del__`.
+    """
+
+    info: EngineInfo
+
+    def warmup(self) -> None:
+        """Run every shape the engine will see once, so the first request pays nothing."""
+        c, h, w = self.info.input_shape
+        self.infer(np.zeros((1, c, h, w), np.float32))
+
+    def infer(self, batch: np.ndarray) -> np.ndarray:
+        """Run a float32 (N, C, H, W) batch, 1 <= N <= max_batch_size; return (N, classes)."""
+        expected = self.info.input_shape
+        if batch.ndim != 4 or tuple(batch.shape[1:]) != expected:
+            raise ValueError(f"batch must have shape (N, {', '.join(map(str, expected))}), "
+                             f"got {tuple(batch.shape)}")
+        if batch.dtype != np.float32:
+            raise ValueError(f"batch must be float32, got {batch.dtype}")
+        if not 1 <= batch.shape[0] <= self.info.max_batch_size:
+            raise ValueError(f"batch size must be in 1..{self.info.max_batch_size}, "
+                             f"got {batch.shape[0]}")
+        return self._infer(batch)
+
+    def infer_uint8(self, images: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+        """Run uint8 (N, H, W, C) crops, normalizing with the model's mean/std first.
+
+        The default normalizes on the CPU; GPU engines override it to upload a quarter of
+        the bytes and normalize on the device.
+        """
+        return self.infer(normalize(images, mean, std))
+
+    @abc.abstractmethod
+    def _infer(self, batch: np.ndarray) -> np.ndarray: ...
+
+    def close(self) -> None:  # noqa: B027 - engines without resources need nothing here
+        """Release what the engine holds (sessions, device memory, graphs)."""
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,38 @@
+"""ONNX Runtime engine: the CPU default."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnxruntime as ort
+
+from engines.base import Engine, EngineError, EngineInfo
+from engines.repository import ModelRef
+
+logger = logging.getLogger(__name__)
+
+
+class OnnxRuntimeEngine(Engine):
+    def __init__(self, model: ModelRef, *, max_batch_size: int = 64, threads: int = 0,
+                 providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> None:
+        if not model.onnx_path.is_file():
+            raise EngineError(f"{model.onnx_path} is missing; run `raystream export`")
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.intra_op_num_threads = threads  # 0: one per physical core
+        self._session = ort.InferenceSession(str(model.onnx_path), options, providers=providers)
+        self._input = self._session.get_inputs()[0].name
+        size = model.spec.preprocess.input_size
+        self.info = EngineInfo(
+            engine="onnxruntime", input_shape=(3, size, size), num_classes=model.spec.num_classes,
+            max_batch_size=max_batch_size, precision="fp32", device="cpu",
+        )
+        logger.info("ONNX Runtime %s session on %s (%s)", ort.__version__,
+                    model.onnx_path, ",".join(self._session.get_providers()))
+
+    def _infer(self, batch: np.ndarray) -> np.ndarray:
+        return self._session.run(None, {self._input: batch})[0]
+
+    def close(self) -> None:
+        self._session = None

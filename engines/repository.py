@@ -1,0 +1,119 @@
+"""The model repository: `<root>/<name>/<version>/` holding the artifacts and `model.json`.
+
+    models/efficientnet-lite0/1/
+        model.onnx      ONNX (opset 17, dynamic batch): ONNX Runtime and TensorRT read it
+        model.pt2       torch.export program: the torch-CUDA engine reads it
+        model.json      ModelSpec below: preprocessing, labels, hashes
+        engines/        TensorRT engines built from model.onnx, one per GPU/TensorRT version
+
+Versions are directory names; the highest integer version is the default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+SPEC_FILE = "model.json"
+ONNX_FILE = "model.onnx"
+TORCH_FILE = "model.pt2"
+
+
+class ModelNotFoundError(LookupError):
+    """No such model or version in the repository; the message says what exists."""
+
+
+@dataclass(frozen=True)
+class PreprocessSpec:
+    """How the model expects its input: resize the shorter side, center-crop, normalize."""
+
+    input_size: int = 224  # square crop fed to the model
+    resize_size: int = 256  # shorter side before the crop (EfficientNet's crop padding of 32)
+    interpolation: str = "bilinear"  # a PIL resampling filter name
+    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+
+    @property
+    def mean_array(self) -> np.ndarray:
+        return np.asarray(self.mean, np.float32)
+
+    @property
+    def std_array(self) -> np.ndarray:
+        return np.asarray(self.std, np.float32)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    version: str
+    preprocess: PreprocessSpec
+    labels: tuple[str, ...]
+    onnx_sha256: str
+    source: str  # where the weights came from, for humans
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.labels)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelSpec:
+        raw = json.loads(text)
+        pre = raw.pop("preprocess")
+        pre = PreprocessSpec(**{**pre, "mean": tuple(pre["mean"]), "std": tuple(pre["std"])})
+        return cls(preprocess=pre, labels=tuple(raw.pop("labels")), **raw)
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A resolved model version on disk: its directory and its spec."""
+
+    path: Path
+    spec: ModelSpec
+
+    @property
+    def onnx_path(self) -> Path:
+        return self.path / ONNX_FILE
+
+    @property
+    def torch_path(self) -> Path:
+        return self.path / TORCH_FILE
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def list_versions(root: Path, name: str) -> list[str]:
+    model_dir = Path(root) / name
+    if not model_dir.is_dir():
+        return []
+    versions = [p.name for p in model_dir.iterdir() if (p / SPEC_FILE).is_file()]
+    return sorted(versions, key=lambda v: (not v.isdigit(), int(v) if v.isdigit() else 0, v))
+
+
+def resolve(root: Path, name: str, version: str = "") -> ModelRef:
+    """Find `name` (at `version`, or its highest version) in the repository at `root`."""
+    root = Path(root)
+    versions = list_versions(root, name)
+    if not versions:
+        known = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        raise ModelNotFoundError(
+            f"model {name!r} not found in repository {str(root)!r} (has: {known or 'nothing'}); "
+            f"run `raystream export` to create it"
+        )
+    version = version or versions[-1]
+    if version not in versions:
+        raise ModelNotFoundError(f"model {name!r} has no version {version!r} (has: {versions})")
+    path = root / name / version
+    return ModelRef(path=path, spec=ModelSpec.from_json((path / SPEC_FILE).read_text()))

@@ -1,0 +1,55 @@
+"""The application's configuration: one validated model, read from the Serve config's `args`.
+
+Per-deployment settings (replicas, autoscaling, `num_cpus`/`num_gpus`, batching through
+`user_config`) live in the Serve config's `deployments:` section; see deploy/serve_config.yaml.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineConfig(_Strict):
+    kind: Literal["auto", "onnxruntime", "torch-cuda", "tensorrt"] = "auto"
+    precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp16"  # GPU engines only
+    max_batch_size: int = Field(64, ge=1, le=4096)  # largest batch the engine accepts
+    options: dict[str, object] = Field(default_factory=dict)  # engine-specific keywords
+
+
+class LimitsConfig(_Strict):
+    max_images_per_request: int = Field(256, ge=1)
+    max_image_bytes: int = Field(20 * 1024 * 1024, ge=1)
+    max_image_pixels: int = Field(40_000_000, ge=1)
+    max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024)  # gRPC receive limit
+    max_in_flight_per_stream: int = Field(64, ge=1)  # more are not read until one finishes
+
+
+class AppConfig(_Strict):
+    host: str = "127.0.0.1"  # loopback by default: binding elsewhere is a deliberate choice
+    port: int = Field(9000, ge=0, le=65535)  # 0 picks a free port (tests)
+    model_repository: Path = Path("models")
+    model: str = "efficientnet-lite0"
+    model_version: str = ""  # empty: the highest version in the repository
+    engine: EngineConfig = EngineConfig()
+    limits: LimitsConfig = LimitsConfig()
+    preprocess_threads: int = Field(2, ge=1, le=64)  # PIL releases the GIL while decoding
+
+    @model_validator(mode="after")
+    def _absolute_repository(self) -> AppConfig:
+        # Replicas may run in another working directory: resolve where the app is built.
+        object.__setattr__(self, "model_repository", self.model_repository.expanduser().resolve())
+        return self
+
+
+class BatchingConfig(_Strict):
+    """The inference deployment's `user_config`: changed at run time without a restart."""
+
+    max_batch_size: int = Field(32, ge=1)  # images per engine batch
+    batch_wait_timeout_s: float = Field(0.004, ge=0.0, le=10.0)

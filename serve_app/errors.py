@@ -1,0 +1,92 @@
+"""One exception hierarchy and the one table that maps failures to gRPC status codes.
+
+Stages raise these; only the ingress turns them into `Error{code, message}` (or a gRPC
+status). Codes are google.rpc.Code values, kept here as ints so no stage imports grpc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from enum import IntEnum
+
+from ray import exceptions as ray_exceptions
+from ray.serve import exceptions as serve_exceptions
+
+
+class Code(IntEnum):
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    UNAUTHENTICATED = 16
+
+
+class RaystreamError(Exception):
+    """Base of every error raystream reports on purpose; `code` is its gRPC status code."""
+
+    code = Code.INTERNAL
+
+
+class InvalidArgument(RaystreamError):
+    code = Code.INVALID_ARGUMENT
+
+
+class InvalidImage(InvalidArgument):
+    """One image cannot be used; it fails alone, the rest of its request goes on."""
+
+
+class ModelNotFound(RaystreamError):
+    code = Code.NOT_FOUND
+
+
+class DuplicateRequest(RaystreamError):
+    code = Code.ALREADY_EXISTS
+
+
+class Overloaded(RaystreamError):
+    code = Code.RESOURCE_EXHAUSTED
+
+
+class Unavailable(RaystreamError):
+    code = Code.UNAVAILABLE
+
+
+# Failures raised by Ray or asyncio rather than by us, most specific first.
+_FOREIGN_CODES: tuple[tuple[type[BaseException], Code], ...] = (
+    (serve_exceptions.BackPressureError, Code.RESOURCE_EXHAUSTED),
+    (serve_exceptions.RequestCancelledError, Code.CANCELLED),
+    (serve_exceptions.DeploymentUnavailableError, Code.UNAVAILABLE),
+    (ray_exceptions.ActorDiedError, Code.UNAVAILABLE),
+    (ray_exceptions.ActorUnavailableError, Code.UNAVAILABLE),
+    (ray_exceptions.RayActorError, Code.UNAVAILABLE),
+    (asyncio.TimeoutError, Code.DEADLINE_EXCEEDED),
+    (asyncio.CancelledError, Code.CANCELLED),
+)
+
+
+def code_for(exc: BaseException) -> Code:
+    """The gRPC status code that says what went wrong; INTERNAL for anything unexpected."""
+    if isinstance(exc, RaystreamError):
+        return exc.code
+    for kind, code in _FOREIGN_CODES:
+        if isinstance(exc, kind):
+            return code
+    return Code.INTERNAL
+
+
+def message_for(exc: BaseException) -> str:
+    """A one-line message for clients: our own messages as written, others by type."""
+    if isinstance(exc, RaystreamError):
+        return str(exc)
+    cause = getattr(exc, "cause", None)  # RayTaskError wraps the replica's exception
+    if isinstance(cause, RaystreamError):
+        return str(cause)
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")

@@ -1,0 +1,214 @@
+"""The gRPC ingress: a grpc.aio server inside a Serve replica, terminating client streams.
+
+Ray Serve's own gRPC proxy costs about 18x a plain grpc.aio server per bidi message
+(../shared/FINDINGS.md), so the ingress deployment runs its own grpc.aio server on the
+replica's event loop and talks to the pipeline through DeploymentHandles. One request (all
+of its images) costs three Ray calls, chained so that the ingress awaits only the last one:
+the pixels and logits travel between stages without passing through the ingress.
+
+This is the only module that imports grpc and turns errors into status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from engines import EngineInfo
+from raystream.v1 import classifier_pb2 as pb
+from raystream.v1 import classifier_pb2_grpc as pb_grpc
+from serve_app.config import AppConfig
+from serve_app.errors import (
+    DuplicateRequest,
+    InvalidArgument,
+    ModelNotFound,
+    code_for,
+    message_for,
+)
+from serve_app.messages import Classified
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TOP_K = 5
+_END = object()
+
+
+class ClassifierService(pb_grpc.ImageClassifierServicer):
+    """raystream.v1.ImageClassifier over the Preprocess -> Inference -> Postprocess handles."""
+
+    def __init__(self, config: AppConfig, model: tuple[str, str, EngineInfo],
+                 preprocess: DeploymentHandle, inference: DeploymentHandle,
+                 postprocess: DeploymentHandle, max_batch_size: int) -> None:
+        self._config = config
+        self._name, self._version, self._engine = model
+        self._preprocess, self._inference, self._postprocess = preprocess, inference, postprocess
+        self._max_batch_size = max_batch_size
+
+    # -- request validation -------------------------------------------------------------
+
+    def _check_model(self, model: str) -> None:
+        if model and model not in (self._name, f"{self._name}/{self._version}"):
+            raise ModelNotFound(f"model {model!r} is not served here; this server serves "
+                                f"{self._name!r} version {self._version!r}")
+
+    def _top_k(self, request: pb.ClassifyRequest) -> int:
+        top_k = request.top_k or DEFAULT_TOP_K
+        if not 1 <= top_k <= self._engine.num_classes:
+            raise InvalidArgument(f"top_k must be in 1..{self._engine.num_classes}, "
+                                  f"got {request.top_k}")
+        return top_k
+
+    # -- one request ----------------------------------------------------------------------
+
+    async def _classify(self, request: pb.ClassifyRequest) -> Classified:
+        self._check_model(request.model)
+        top_k = self._top_k(request)
+        limit = self._config.limits.max_images_per_request
+        if len(request.images) > limit:
+            raise InvalidArgument(f"request has {len(request.images)} images, over the limit "
+                                  f"of {limit} per request")
+        preprocessed = self._preprocess.remote(list(request.images))
+        inferred = self._inference.remote(preprocessed)
+        return await self._postprocess.remote(inferred, top_k)
+
+    async def _respond(self, request: pb.ClassifyRequest) -> pb.ClassifyResponse:
+        """Exactly one response per request: the result, or the error that says why not."""
+        start = time.perf_counter()
+        response = pb.ClassifyResponse(request_id=request.request_id)
+        try:
+            if request.images:
+                _fill(response, await self._classify(request))
+            else:
+                self._check_model(request.model)
+                self._top_k(request)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes this request's error
+            code = code_for(exc)
+            if code == 13:
+                logger.exception("request %r failed", request.request_id)
+            response.error.code, response.error.message = int(code), message_for(exc)
+            del response.results[:]
+        response.timing.total_ms = (time.perf_counter() - start) * 1000.0
+        return response
+
+    # -- RPCs -----------------------------------------------------------------------------
+
+    async def Classify(self, request_iterator, context):  # noqa: N802 - gRPC method name
+        """Bidi stream: requests run concurrently, answered in completion order."""
+        responses: asyncio.Queue = asyncio.Queue()
+        slots = asyncio.Semaphore(self._config.limits.max_in_flight_per_stream)
+        in_flight: set[str] = set()
+        tasks: set[asyncio.Task] = set()
+
+        async def answer(request: pb.ClassifyRequest) -> None:
+            try:
+                response = await self._respond(request)
+            finally:
+                slots.release()
+                in_flight.discard(request.request_id)
+            await responses.put(response)
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    await slots.acquire()  # backpressure: stop reading while full
+                    if request.request_id and request.request_id in in_flight:
+                        slots.release()
+                        await responses.put(_error_response(request, DuplicateRequest(
+                            f"request_id {request.request_id!r} is already in flight on "
+                            f"this stream")))
+                        continue
+                    if request.request_id:
+                        in_flight.add(request.request_id)
+                    task = asyncio.create_task(answer(request))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+            finally:
+                await responses.put(_END)
+
+        reader = asyncio.create_task(read())
+        try:
+            reading = True
+            while reading or tasks or not responses.empty():
+                item = await responses.get()
+                if item is _END:
+                    reading = False
+                    continue
+                yield item
+            reader.result()  # re-raise a transport failure while reading
+        finally:
+            reader.cancel()
+            for task in tasks:
+                task.cancel()
+
+    async def ClassifyOnce(self, request, context):  # noqa: N802
+        return await self._respond(request)
+
+    async def GetModelInfo(self, request, context):  # noqa: N802
+        try:
+            self._check_model(request.model)
+        except ModelNotFound as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return pb.ModelInfo(
+            name=self._name, version=self._version, engine=self._engine.engine,
+            input_shape=[-1, *self._engine.input_shape], num_classes=self._engine.num_classes,
+            max_batch_size=self._max_batch_size, precision=self._engine.precision)
+
+
+def _error_response(request: pb.ClassifyRequest, exc: Exception) -> pb.ClassifyResponse:
+    response = pb.ClassifyResponse(request_id=request.request_id)
+    response.error.code, response.error.message = int(code_for(exc)), message_for(exc)
+    return response
+
+
+def _fill(response: pb.ClassifyResponse, classified: Classified) -> None:
+    for outcome in classified.outcomes:
+        result = response.results.add()
+        if outcome.failure is not None:
+            result.error.code, result.error.message = outcome.failure.code, outcome.failure.message
+        for label in outcome.labels:
+            result.labels.add(class_id=label.class_id, name=label.name, score=label.score)
+    t = classified.timing
+    response.timing.preprocess_ms = t.preprocess_ms
+    response.timing.queue_ms = t.queue_ms
+    response.timing.inference_ms = t.inference_ms
+    response.timing.postprocess_ms = t.postprocess_ms
+    response.timing.batch_size = t.batch_size
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=8)
+class Ingress:
+    """Starts the gRPC server in this replica; it serves until the replica stops."""
+
+    async def __init__(self, preprocess: DeploymentHandle, inference: DeploymentHandle,
+                       postprocess: DeploymentHandle, config: dict) -> None:
+        self._config = AppConfig.model_validate(config)
+        model = await inference.info.remote()
+        limits = self._config.limits
+        self._server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", limits.max_message_bytes),
+            ("grpc.max_send_message_length", limits.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ])
+        service = ClassifierService(self._config, model, preprocess, inference, postprocess,
+                                    self._config.engine.max_batch_size)
+        pb_grpc.add_ImageClassifierServicer_to_server(service, self._server)
+        address = f"{self._config.host}:{self._config.port}"
+        self._port = self._server.add_insecure_port(address)
+        if self._port == 0:
+            raise RuntimeError(f"cannot bind gRPC to {address}: is the port in use?")
+        await self._server.start()
+        name, version, engine = model
+        logger.info("raystream ready: gRPC on %s:%d serving %s/%s on %s (%s)",
+                    self._config.host, self._port, name, version, engine.engine, engine.device)
+
+    def port(self) -> int:
+        return self._port
+
+    async def __del__(self) -> None:
+        # Ray Serve calls __del__ when it stops a replica: let in-flight calls finish briefly.
+        await self._server.stop(grace=5.0)

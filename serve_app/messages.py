@@ -1,0 +1,66 @@
+"""Messages between the pipeline's stages: small frozen dataclasses, never bare tuples.
+
+    Ingress --images--> Preprocess --Preprocessed--> Inference --Inferred--> Postprocess
+            <-------------------------------- Classified --------------------------------
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ImageFailure:
+    index: int  # position of the image in its request
+    code: int  # google.rpc.Code
+    message: str
+
+
+@dataclass(frozen=True)
+class StageTiming:
+    preprocess_ms: float = 0.0
+    queue_ms: float = 0.0  # waiting in the inference deployment's batch queue
+    inference_ms: float = 0.0
+    postprocess_ms: float = 0.0
+    batch_size: int = 0  # images in the engine batch this request ran in
+
+
+@dataclass(frozen=True)
+class Preprocessed:
+    """One request's images, decoded: the good ones as pixels, the bad ones as failures."""
+
+    count: int  # images in the request
+    pixels: np.ndarray  # uint8 (len(indices), H, W, 3)
+    indices: tuple[int, ...]  # request position of each row of `pixels`
+    failures: tuple[ImageFailure, ...]
+    timing: StageTiming = field(default_factory=StageTiming)
+
+
+@dataclass(frozen=True)
+class Inferred:
+    count: int
+    logits: np.ndarray  # float32 (len(indices), num_classes)
+    indices: tuple[int, ...]
+    failures: tuple[ImageFailure, ...]
+    timing: StageTiming
+
+
+@dataclass(frozen=True)
+class Label:
+    class_id: int
+    name: str
+    score: float  # softmax probability
+
+
+@dataclass(frozen=True)
+class ImageOutcome:
+    labels: tuple[Label, ...] = ()
+    failure: ImageFailure | None = None
+
+
+@dataclass(frozen=True)
+class Classified:
+    outcomes: tuple[ImageOutcome, ...]  # outcomes[i] answers images[i]
+    timing: StageTiming

@@ -1,0 +1,99 @@
+"""Decode, resize, center-crop and normalize images per the model's PreprocessSpec.
+
+Pure functions over bytes, PIL images and numpy arrays: no Ray, no gRPC. The policies:
+- formats: JPEG, PNG, WebP, BMP, GIF, TIFF (MPO = multi-picture JPEG); others are rejected;
+- multi-frame images (animated GIF/WebP/PNG, multi-page TIFF): the first frame is classified;
+- EXIF orientation is applied, so a phone photo is classified the way it is displayed;
+- any colour mode (grayscale, CMYK, palette, 16-bit, alpha) is converted to RGB; alpha is
+  composited onto white (product photos are shot on white);
+- decompression bombs: the pixel count from the header is checked before anything is decoded;
+- large JPEGs are decoded with DCT scaling (`draft`) to at least the resize size, which costs
+  a fraction of a full decode and changes nothing the resize would keep.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from engines.base import normalize
+from engines.repository import PreprocessSpec
+from serve_app.errors import InvalidImage
+
+__all__ = ["DecodeLimits", "crop_to_input", "decode", "normalize"]
+
+ALLOWED_FORMATS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "BMP", "GIF", "TIFF"})
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_pixels: int = 40_000_000  # width * height, checked before decoding
+
+
+def decode(data: bytes, spec: PreprocessSpec, limits: DecodeLimits = DecodeLimits()) -> np.ndarray:
+    """Encoded image bytes -> uint8 (H, W, 3) crop; raises InvalidImage naming the problem."""
+    if not data:
+        raise InvalidImage("image is empty (0 bytes)")
+    if len(data) > limits.max_image_bytes:
+        raise InvalidImage(f"image is {len(data)} bytes, over the limit of "
+                           f"{limits.max_image_bytes} bytes")
+    try:
+        image = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise InvalidImage(f"not a supported image ({len(data)} bytes, no JPEG/PNG/WebP/BMP/"
+                           f"GIF/TIFF header found)") from None
+    except Image.DecompressionBombError as exc:
+        raise InvalidImage(f"image declares too many pixels: {exc}") from None
+    with image:
+        if image.format not in ALLOWED_FORMATS:
+            raise InvalidImage(f"image format {image.format} is not supported "
+                               f"(supported: {', '.join(sorted(ALLOWED_FORMATS))})")
+        width, height = image.size
+        if width * height > limits.max_pixels:
+            raise InvalidImage(f"image is {width}x{height} = {width * height} pixels, over the "
+                               f"limit of {limits.max_pixels} pixels")
+        if width == 0 or height == 0:
+            raise InvalidImage(f"image has no pixels ({width}x{height})")
+        try:
+            if image.format in ("JPEG", "MPO"):
+                image.draft("RGB", (spec.resize_size, spec.resize_size))
+            image.load()  # first frame only for multi-frame images
+            return crop_to_input(_to_rgb(ImageOps.exif_transpose(image)), spec)
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+            raise InvalidImage(f"{image.format} image data is corrupt or truncated: {exc}") \
+                from None
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        # 16/32-bit grayscale: scale to 8 bits by the image's own range.
+        array = np.asarray(image, dtype=np.float64)
+        top = array.max() or 1.0
+        image = Image.fromarray((array * (255.0 / top)).astype(np.uint8))
+    if image.mode == "P":
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "LA", "PA"):
+        background = Image.new("RGB", image.size, (255, 255, 255))
+        background.paste(image.convert("RGBA"), mask=image.convert("RGBA").getchannel("A"))
+        return background
+    return image.convert("RGB")
+
+
+def crop_to_input(image: Image.Image, spec: PreprocessSpec) -> np.ndarray:
+    """Resize the shorter side to `resize_size`, center-crop `input_size`: uint8 (H, W, 3)."""
+    image = image.convert("RGB")
+    width, height = image.size
+    scale = spec.resize_size / min(width, height)
+    new_w, new_h = max(spec.input_size, round(width * scale)), max(
+        spec.input_size, round(height * scale))
+    resample = Image.Resampling[spec.interpolation.upper()]
+    image = image.resize((new_w, new_h), resample)
+    left, top = (new_w - spec.input_size) // 2, (new_h - spec.input_size) // 2
+    image = image.crop((left, top, left + spec.input_size, top + spec.input_size))
+    return np.asarray(image, dtype=np.uint8)

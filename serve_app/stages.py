@@ -1,0 +1,169 @@
+"""The pipeline's Ray Serve deployments: Preprocess -> Inference (@serve.batch) -> Postprocess.
+
+Each call carries a whole request (all of its images), so a request costs three Ray calls
+whatever its size. Inference batches across requests and streams: its batch is counted in
+images (`batch_size_fn`), not in calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+from ray import serve
+
+from engines import EngineInfo, create_engine
+from engines.repository import ModelRef, resolve
+from serve_app import postprocessing, preprocessing
+from serve_app.config import AppConfig, BatchingConfig
+from serve_app.errors import InvalidArgument, InvalidImage
+from serve_app.messages import (
+    Classified,
+    ImageFailure,
+    ImageOutcome,
+    Inferred,
+    Preprocessed,
+    StageTiming,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _ms_since(start: float) -> float:
+    return (time.perf_counter() - start) * 1000.0
+
+
+def _load_model(config: AppConfig) -> ModelRef:
+    return resolve(config.model_repository, config.model, config.model_version)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=32)
+class Preprocess:
+    def __init__(self, config: dict) -> None:
+        self._config = AppConfig.model_validate(config)
+        self._spec = _load_model(self._config).spec.preprocess
+        limits = self._config.limits
+        self._limits = preprocessing.DecodeLimits(limits.max_image_bytes, limits.max_image_pixels)
+        self._pool = ThreadPoolExecutor(self._config.preprocess_threads,
+                                        thread_name_prefix="decode")
+
+    def _decode(self, data: bytes) -> np.ndarray | ImageFailure:
+        try:
+            return preprocessing.decode(data, self._spec, self._limits)
+        except InvalidImage as exc:
+            return ImageFailure(-1, int(exc.code), str(exc))
+
+    async def __call__(self, images: list[bytes]) -> Preprocessed:
+        start = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        decoded = await asyncio.gather(
+            *(loop.run_in_executor(self._pool, self._decode, data) for data in images))
+        ok = [i for i, d in enumerate(decoded) if isinstance(d, np.ndarray)]
+        size = self._spec.input_size
+        pixels = (np.stack([decoded[i] for i in ok]) if ok
+                  else np.empty((0, size, size, 3), np.uint8))
+        failures = tuple(dataclasses.replace(d, index=i) for i, d in enumerate(decoded)
+                         if isinstance(d, ImageFailure))
+        return Preprocessed(count=len(images), pixels=pixels, indices=tuple(ok),
+                            failures=failures, timing=StageTiming(preprocess_ms=_ms_since(start)))
+
+
+@dataclass(frozen=True)
+class _Queued:
+    pixels: np.ndarray
+    enqueued: float  # perf_counter() when the chunk entered the batch queue
+
+
+@dataclass(frozen=True)
+class _Ran:
+    logits: np.ndarray
+    queue_ms: float
+    inference_ms: float
+    batch_size: int
+
+
+def _images_in(items: list[_Queued]) -> int:
+    return sum(len(item.pixels) for item in items)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=64,
+                  user_config=BatchingConfig().model_dump())
+class Inference:
+    """Owns one engine and batches across every request that reaches this replica."""
+
+    def __init__(self, config: dict) -> None:
+        config = AppConfig.model_validate(config)
+        model = _load_model(config)
+        self._spec = model.spec
+        self._mean = model.spec.preprocess.mean_array
+        self._std = model.spec.preprocess.std_array
+        self._engine = create_engine(
+            config.engine.kind, model, max_batch_size=config.engine.max_batch_size,
+            precision=config.engine.precision, **config.engine.options)
+        self._engine.warmup()
+        self._max_batch = BatchingConfig().max_batch_size
+        logger.info("engine ready: %s", self._engine.info)
+
+    def reconfigure(self, user_config: dict) -> None:
+        batching = BatchingConfig.model_validate(user_config)
+        if batching.max_batch_size > self._engine.info.max_batch_size:
+            raise ValueError(f"max_batch_size must be at most the engine's "
+                             f"{self._engine.info.max_batch_size}, got {batching.max_batch_size}")
+        self._max_batch = batching.max_batch_size
+        self._run_batch.set_max_batch_size(batching.max_batch_size)
+        self._run_batch.set_batch_wait_timeout_s(batching.batch_wait_timeout_s)
+        logger.info("batching: %s", batching)
+
+    def info(self) -> tuple[str, str, EngineInfo]:
+        return self._spec.name, self._spec.version, self._engine.info
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.004, batch_size_fn=_images_in)
+    async def _run_batch(self, items: list[_Queued]) -> list[_Ran]:
+        start = time.perf_counter()
+        pixels = np.concatenate([item.pixels for item in items])
+        logits = self._engine.infer_uint8(pixels, self._mean, self._std)
+        inference_ms = _ms_since(start)
+        bounds = np.cumsum([0] + [len(item.pixels) for item in items])
+        return [_Ran(logits[lo:hi], (start - item.enqueued) * 1000.0, inference_ms, len(pixels))
+                for item, lo, hi in zip(items, bounds[:-1], bounds[1:], strict=True)]
+
+    async def __call__(self, pre: Preprocessed) -> Inferred:
+        if len(pre.pixels) == 0:
+            logits = np.empty((0, self._spec.num_classes), np.float32)
+            return Inferred(pre.count, logits, pre.indices, pre.failures, pre.timing)
+        if pre.pixels.shape[1:] != (*self._engine.info.input_shape[1:], 3):
+            raise InvalidArgument(f"pixels must be (N, H, W, 3) at the model's input size, "
+                                  f"got {pre.pixels.shape}")
+        # A request larger than one batch is split into chunks that batch independently.
+        now = time.perf_counter()
+        chunks = [pre.pixels[i:i + self._max_batch]
+                  for i in range(0, len(pre.pixels), self._max_batch)]
+        ran = await asyncio.gather(*(self._run_batch(_Queued(c, now)) for c in chunks))
+        timing = dataclasses.replace(
+            pre.timing, queue_ms=max(r.queue_ms for r in ran),
+            inference_ms=max(r.inference_ms for r in ran),
+            batch_size=max(r.batch_size for r in ran))
+        logits = np.concatenate([r.logits for r in ran])
+        return Inferred(pre.count, logits, pre.indices, pre.failures, timing)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64)
+class Postprocess:
+    def __init__(self, config: dict) -> None:
+        self._labels = _load_model(AppConfig.model_validate(config)).spec.labels
+
+    def __call__(self, inferred: Inferred, top_k: int) -> Classified:
+        start = time.perf_counter()
+        outcomes = [ImageOutcome()] * inferred.count
+        for failure in inferred.failures:
+            outcomes[failure.index] = ImageOutcome(failure=failure)
+        ranked = postprocessing.labels_for(inferred.logits, top_k, self._labels)
+        for index, labels in zip(inferred.indices, ranked, strict=True):
+            outcomes[index] = ImageOutcome(labels=labels)
+        timing = dataclasses.replace(inferred.timing, postprocess_ms=_ms_since(start))
+        return Classified(tuple(outcomes), timing)
