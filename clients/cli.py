@@ -149,7 +149,7 @@ def _print_table(results: list) -> None:
             text = "  ".join(f"{lb.name} {lb.score:.3f}" for lb in r.labels)
         else:
             text = f"ERROR {status_name(r.error_code)}: {r.error}"
-        print(f"{str(r.key):<{width}}  {text}")
+        print(f"{r.key!s:<{width}}  {text}")
 
 
 def cmd_classify(args: argparse.Namespace) -> int:

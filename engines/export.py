@@ -87,11 +87,10 @@ def imagenet_labels() -> tuple[str, ...]:
 
 def check_photos(spec: PreprocessSpec) -> np.ndarray:
     """Real photos from scikit-image, preprocessed as the server does: (N, C, H, W) float32."""
+    from PIL import Image
     from skimage import data
 
     from serve_app.preprocessing import crop_to_input
-
-    from PIL import Image
 
     photos = [data.chelsea(), data.coffee(), data.astronaut(), data.rocket()]
     crops = [crop_to_input(Image.fromarray(p), spec) for p in photos]

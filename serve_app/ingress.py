@@ -86,7 +86,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
             else:
                 self._check_model(request.model)
                 self._top_k(request)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes this request's error
+        except Exception as exc:
             code = code_for(exc)
             if code == 13:
                 logger.exception("request %r failed", request.request_id)
@@ -97,7 +97,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
 
     # -- RPCs -----------------------------------------------------------------------------
 
-    async def Classify(self, request_iterator, context):  # noqa: N802 - gRPC method name
+    async def Classify(self, request_iterator, context):
         """Bidi stream: requests run concurrently, answered in completion order."""
         responses: asyncio.Queue = asyncio.Queue()
         slots = asyncio.Semaphore(self._config.limits.max_in_flight_per_stream)
@@ -145,10 +145,10 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
             for task in tasks:
                 task.cancel()
 
-    async def ClassifyOnce(self, request, context):  # noqa: N802
+    async def ClassifyOnce(self, request, context):
         return await self._respond(request)
 
-    async def GetModelInfo(self, request, context):  # noqa: N802
+    async def GetModelInfo(self, request, context):
         try:
             self._check_model(request.model)
         except ModelNotFound as exc:

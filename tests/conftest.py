@@ -1,0 +1,75 @@
+"""Shared fixtures: real photos, the real exported model, a real Ray Serve app on a free port."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def encode(array: np.ndarray, fmt: str = "JPEG", **params: object) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format=fmt, **params)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="session")
+def photos() -> dict[str, bytes]:
+    """Real photos from scikit-image, as JPEG bytes (the format clients send most)."""
+    from skimage import data
+
+    return {name: encode(getattr(data, name)(), quality=95)
+            for name in ("chelsea", "coffee", "astronaut", "rocket")}
+
+
+@pytest.fixture(scope="session")
+def model_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The repository `make test` exported into; exported afresh when run without make."""
+    from engines.export import export_model
+    from engines.repository import list_versions
+
+    repo = ROOT / "models"
+    if list_versions(repo, "efficientnet-lite0"):
+        return repo
+    repo = tmp_path_factory.mktemp("models")
+    export_model(repo, "efficientnet-lite0", with_torch=False)
+    return repo
+
+
+@pytest.fixture(scope="session")
+def model(model_repository: Path):
+    from engines.repository import resolve
+
+    return resolve(model_repository, "efficientnet-lite0")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(ray_cluster, model_repository: Path) -> str:
+    """The whole application under real Ray Serve, gRPC on a free loopback port."""
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    serve.start(proxy_location="Disabled")
+    app = build_app({"model_repository": str(model_repository), "port": 0,
+                     "engine": {"kind": "onnxruntime"},
+                     "limits": {"max_images_per_request": 16}})
+    handle = serve.run(app, name="raystream", route_prefix=None)
+    port = handle.port.remote().result()
+    yield f"127.0.0.1:{port}"
+    serve.shutdown()

@@ -1,0 +1,70 @@
+"""One parity test that every engine must pass, plus the protocol's checks and selection."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from engines import EngineError, create_engine, pick_engine
+from engines.export import EXPORTABLE, check_photos
+from serve_app.postprocessing import softmax
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
+
+ENGINES = [
+    pytest.param("onnxruntime", "fp32", 1e-4, id="onnxruntime-fp32"),
+    pytest.param("torch-cuda", "fp16", 1e-2, id="torch-cuda-fp16", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]),
+    pytest.param("torch-cuda", "bf16", 1e-2, id="torch-cuda-bf16", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]),
+    pytest.param("tensorrt", "fp16", 1e-2, id="tensorrt-fp16", marks=[
+        pytest.mark.tensorrt,
+        pytest.mark.skipif(not (HAS_CUDA and HAS_TENSORRT),
+                           reason="needs a CUDA GPU and the tensorrt package (not installable "
+                                  "on any machine here; see README)")]),
+]
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> tuple[np.ndarray, np.ndarray]:
+    """Real photos and the FP32 torch model's softmax on them (the ground truth)."""
+    batch = check_photos(model.spec.preprocess)
+    net = EXPORTABLE["efficientnet-lite0"].build().eval()
+    with torch.inference_mode():
+        return batch, softmax(net(torch.from_numpy(batch)).numpy())
+
+
+@pytest.mark.parametrize(("kind", "precision", "atol"), ENGINES)
+def test_engine_parity_with_fp32_reference(model, reference, kind, precision, atol) -> None:
+    batch, expected = reference
+    with create_engine(kind, model, max_batch_size=8, precision=precision) as engine:
+        engine.warmup()
+        got = softmax(engine.infer(batch))
+        np.testing.assert_array_equal(got.argmax(1), expected.argmax(1))
+        assert np.abs(got - expected).max() <= atol
+        # Any batch composition gives each image the same answer (padding, buckets).
+        singles = np.concatenate([softmax(engine.infer(batch[i:i + 1]))
+                                  for i in range(3)])
+        np.testing.assert_allclose(softmax(engine.infer(batch[:3])), singles, atol=atol / 10)
+
+
+def test_engine_checks_its_input(model) -> None:
+    with create_engine("onnxruntime", model, max_batch_size=4) as engine:
+        with pytest.raises(ValueError, match=r"shape \(N, 3, 224, 224\)"):
+            engine.infer(np.zeros((1, 3, 100, 100), np.float32))
+        with pytest.raises(ValueError, match="float32"):
+            engine.infer(np.zeros((1, 3, 224, 224), np.float64))
+        with pytest.raises(ValueError, match=r"batch size must be in 1..4, got 5"):
+            engine.infer(np.zeros((5, 3, 224, 224), np.float32))
+        assert engine.info.input_shape == (3, 224, 224) and engine.info.num_classes == 1000
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only selection")
+def test_selection_on_a_cpu_machine(model) -> None:
+    assert pick_engine("auto") == "onnxruntime"
+    with pytest.raises(EngineError, match="needs a CUDA GPU"):
+        create_engine("torch-cuda", model)

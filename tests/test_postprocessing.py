@@ -1,0 +1,34 @@
+"""Softmax and top-k against reference implementations (scipy, full sort)."""
+
+import numpy as np
+from scipy.special import softmax as scipy_softmax
+
+from serve_app.postprocessing import labels_for, softmax, top_k
+
+
+def test_softmax_matches_scipy() -> None:
+    logits = np.random.default_rng(0).normal(0, 10, (5, 1000)).astype(np.float32)
+    np.testing.assert_allclose(softmax(logits), scipy_softmax(logits.astype(np.float64), axis=1),
+                               rtol=1e-5, atol=1e-7)
+
+
+def test_softmax_is_stable_for_large_logits() -> None:
+    probs = softmax(np.array([[1000.0, 1000.0, -1000.0]], np.float32))
+    np.testing.assert_allclose(probs, [[0.5, 0.5, 0.0]])
+
+
+def test_top_k_matches_full_sort() -> None:
+    probs = softmax(np.random.default_rng(1).normal(size=(7, 1000)).astype(np.float32))
+    for k in (1, 5, 1000):
+        ids, scores = top_k(probs, k)
+        expected = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+        np.testing.assert_array_equal(ids, expected)
+        np.testing.assert_array_equal(scores, np.take_along_axis(probs, expected, axis=1))
+
+
+def test_labels_carry_names_and_probabilities() -> None:
+    logits = np.array([[0.0, 3.0, 1.0]], np.float32)
+    (labels,) = labels_for(logits, 2, ["a", "b", "c"])
+    assert [(lb.class_id, lb.name) for lb in labels] == [(1, "b"), (2, "c")]
+    assert abs(labels[0].score - float(softmax(logits)[0, 1])) < 1e-7
+    assert labels_for(np.empty((0, 3), np.float32), 2, ["a", "b", "c"]) == []

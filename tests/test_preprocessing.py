@@ -1,0 +1,111 @@
+"""Decode/resize/crop/normalize against reference computations, and the bad-input policy."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from engines.repository import PreprocessSpec
+from serve_app.errors import InvalidImage
+from serve_app.preprocessing import DecodeLimits, crop_to_input, decode, normalize
+
+from conftest import encode
+
+SPEC = PreprocessSpec()
+
+
+def test_crop_geometry_matches_reference() -> None:
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (300, 400, 3), dtype=np.uint8)  # H=300, W=400
+    got = crop_to_input(Image.fromarray(image), SPEC)
+    # Reference: shorter side 300 -> 256 means 400 -> round(400 * 256 / 300) = 341.
+    resized = np.asarray(Image.fromarray(image).resize((341, 256), Image.Resampling.BILINEAR))
+    expected = resized[16:240, 58:282]  # (256 - 224) // 2 = 16, (341 - 224) // 2 = 58
+    assert got.shape == (224, 224, 3) and got.dtype == np.uint8
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_crop_keeps_the_center() -> None:
+    image = np.zeros((600, 1000, 3), np.uint8)
+    image[250:350, 450:550] = (255, 0, 0)  # red square at the center
+    image[:, :100] = (0, 255, 0)  # green band that the center crop must cut away
+    got = crop_to_input(Image.fromarray(image), SPEC)
+    assert tuple(got[112, 112]) == (255, 0, 0)
+    assert not (got[..., 1] > 128).any()
+
+
+def test_normalize_matches_reference() -> None:
+    rng = np.random.default_rng(1)
+    images = rng.integers(0, 256, (3, 8, 8, 3), dtype=np.uint8)
+    mean, std = np.array(SPEC.mean), np.array(SPEC.std)
+    expected = ((images / 255.0 - mean) / std).transpose(0, 3, 1, 2)
+    got = normalize(images, SPEC.mean_array, SPEC.std_array)
+    assert got.dtype == np.float32 and got.shape == (3, 3, 8, 8) and got.flags.c_contiguous
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF"])
+def test_formats_decode(photos: dict[str, bytes], fmt: str) -> None:
+    array = np.asarray(Image.open(io.BytesIO(photos["coffee"])).convert("RGB"))
+    crop = decode(encode(array, fmt), SPEC)
+    assert crop.shape == (224, 224, 3)
+
+
+@pytest.mark.parametrize("mode", ["L", "CMYK", "RGBA", "P", "I;16", "LA"])
+def test_colour_modes_become_rgb(photos: dict[str, bytes], mode: str) -> None:
+    image = Image.open(io.BytesIO(photos["chelsea"])).convert("RGB")
+    if mode == "I;16":
+        image = Image.fromarray(np.asarray(image.convert("L"), np.uint16) * 257)
+    else:
+        image = image.convert(mode)
+    buffer = io.BytesIO()
+    image.save(buffer, format="TIFF" if mode in ("CMYK", "I;16") else "PNG")
+    assert decode(buffer.getvalue(), SPEC).shape == (224, 224, 3)
+
+
+def test_exif_orientation_is_applied() -> None:
+    # A 400x200 landscape image, left half black, stored with orientation 6 (rotate 90 CW).
+    array = np.full((200, 400, 3), 255, np.uint8)
+    array[:, :200] = 0
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    crop = decode(encode(array, "JPEG", exif=exif.tobytes(), quality=95), SPEC)
+    # Displayed upright it is portrait with the black half on top.
+    assert crop[10, 112].mean() < 40 and crop[-10, 112].mean() > 215
+
+
+def _png_header_only(width: int, height: int) -> bytes:
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(
+            ">I", zlib.crc32(kind + body))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    (b"", "empty"),
+    (bytes(np.random.default_rng(2).integers(0, 256, 5000, dtype=np.uint8)), "not a supported"),
+    (_png_header_only(50_000, 50_000), "pixels"),
+])
+def test_bad_images_are_invalid_argument(data: bytes, message: str) -> None:
+    with pytest.raises(InvalidImage, match=message) as info:
+        decode(data, SPEC)
+    assert info.value.code == 3
+
+
+def test_truncated_or_corrupt_jpeg_is_invalid(photos: dict[str, bytes]) -> None:
+    jpeg = photos["chelsea"]
+    with pytest.raises(InvalidImage, match="corrupt or truncated"):
+        decode(jpeg[: len(jpeg) // 2], SPEC)
+    with pytest.raises(InvalidImage, match="corrupt or truncated"):
+        decode(jpeg[:600] + b"\x13" * 20000, SPEC)  # a valid header, a corrupt body
+
+
+def test_size_limit() -> None:
+    with pytest.raises(InvalidImage, match="over the limit of 100 bytes"):
+        decode(b"x" * 101, SPEC, DecodeLimits(max_image_bytes=100))

@@ -1,0 +1,164 @@
+"""End to end: real Ray Serve, a real gRPC stream on a free port, real photos, the real model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from clients.client import Client
+from engines.base import normalize
+from raystream.v1 import classifier_pb2 as pb
+from serve_app.postprocessing import softmax
+from serve_app.preprocessing import decode
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+CATS = range(281, 286)
+COFFEE = {967, 968, 504}
+
+
+async def _stream(server: str, requests: list[pb.ClassifyRequest]) -> list[pb.ClassifyResponse]:
+    async with Client(server) as client:
+        return [r async for r in client.stream(requests)]
+
+
+async def test_real_photos_get_correct_labels_matching_onnx(server, photos, model) -> None:
+    async with Client(server) as client:
+        results = [r async for r in client.classify(
+            [("chelsea", photos["chelsea"]), ("coffee", photos["coffee"])], top_k=5)]
+    by_key = {r.key: r for r in results}
+    assert by_key["chelsea"].labels[0].class_id in CATS
+    assert by_key["coffee"].labels[0].class_id in COFFEE
+    # The server's scores equal the ONNX model run directly with the same preprocessing.
+    spec = model.spec.preprocess
+    session = ort.InferenceSession(str(model.onnx_path), providers=["CPUExecutionProvider"])
+    for name in ("chelsea", "coffee"):
+        pixels = decode(photos[name], spec)[None]
+        probs = softmax(session.run(None, {"input": normalize(
+            pixels, spec.mean_array, spec.std_array)})[0])[0]
+        labels = by_key[name].labels
+        assert [lb.class_id for lb in labels] == list(np.argsort(-probs)[:5])
+        np.testing.assert_allclose([lb.score for lb in labels],
+                                   probs[[lb.class_id for lb in labels]], atol=1e-4)
+        assert labels[0].name == model.spec.labels[labels[0].class_id]
+
+
+async def test_bad_images_fail_alone_and_the_stream_goes_on(server, photos) -> None:
+    chelsea = photos["chelsea"]
+    requests = [
+        pb.ClassifyRequest(request_id="mixed", images=[
+            chelsea, chelsea[: len(chelsea) // 3], os.urandom(4096), b"", photos["coffee"]]),
+        pb.ClassifyRequest(request_id="after", images=[chelsea]),
+    ]
+    responses = {r.request_id: r for r in await _stream(server, requests)}
+    assert sorted(responses) == ["after", "mixed"]
+    mixed = responses["mixed"]
+    assert mixed.error.code == 0 and len(mixed.results) == 5
+    codes = [r.error.code for r in mixed.results]
+    assert codes == [0, 3, 3, 3, 0]
+    assert "truncated" in mixed.results[1].error.message
+    assert "not a supported image" in mixed.results[2].error.message
+    assert "empty" in mixed.results[3].error.message
+    assert mixed.results[0].labels[0].class_id in CATS
+    assert mixed.results[4].labels[0].class_id in COFFEE
+    assert responses["after"].results[0].labels[0].class_id in CATS
+
+
+async def test_request_errors_are_answered_in_their_response(server, photos) -> None:
+    one = [photos["coffee"]]
+    requests = [
+        pb.ClassifyRequest(request_id="top_k", images=one, top_k=1001),
+        pb.ClassifyRequest(request_id="model", images=one, model="resnet9000"),
+        pb.ClassifyRequest(request_id="many", images=one * 17),  # limit is 16 in conftest
+        pb.ClassifyRequest(request_id="ok", images=one, top_k=2),
+    ]
+    responses = {r.request_id: r for r in await _stream(server, requests)}
+    assert responses["top_k"].error.code == 3
+    assert "top_k must be in 1..1000, got 1001" in responses["top_k"].error.message
+    assert responses["model"].error.code == 5 and "resnet9000" in responses["model"].error.message
+    assert responses["many"].error.code == 3 and "17 images" in responses["many"].error.message
+    assert not responses["many"].results
+    assert responses["ok"].error.code == 0 and len(responses["ok"].results[0].labels) == 2
+
+
+async def test_many_requests_on_one_stream_each_answered_once(server, photos) -> None:
+    names = list(photos)
+    requests = [pb.ClassifyRequest(request_id=f"r{i}", images=[photos[names[i % 4]]] * (1 + i % 3))
+                for i in range(40)]
+    responses = await _stream(server, requests)
+    assert sorted(r.request_id for r in responses) == sorted(f"r{i}" for i in range(40))
+    for response in responses:
+        i = int(response.request_id[1:])
+        assert len(response.results) == 1 + i % 3
+        assert response.timing.total_ms > 0 and response.timing.batch_size >= 1
+
+
+async def test_unary_and_stream_agree(server, photos) -> None:
+    images = [photos["astronaut"], photos["rocket"]]
+    async with Client(server) as client:
+        unary = await client.classify_once(images, top_k=3)
+    (streamed,) = await _stream(server, [pb.ClassifyRequest(images=images, top_k=3)])
+    for a, b in zip(unary.results, streamed.results, strict=True):
+        assert [lb.class_id for lb in a.labels] == [lb.class_id for lb in b.labels]
+        np.testing.assert_allclose([lb.score for lb in a.labels], [lb.score for lb in b.labels],
+                                   atol=1e-6)
+
+
+async def test_model_info(server, model) -> None:
+    async with Client(server) as client:
+        info = await client.model_info()
+        assert (info.name, info.version, info.engine) == ("efficientnet-lite0",
+                                                           model.spec.version, "onnxruntime")
+        assert list(info.input_shape) == [-1, 3, 224, 224] and info.num_classes == 1000
+        assert info.precision == "fp32" and info.max_batch_size >= 1
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.model_info("other")
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_duplicate_request_id_in_flight_is_rejected(server, photos) -> None:
+    requests = [pb.ClassifyRequest(request_id="same", images=[photos["coffee"]] * 8),
+                pb.ClassifyRequest(request_id="same", images=[photos["coffee"]])]
+    responses = await _stream(server, requests)
+    assert len(responses) == 2
+    codes = sorted(r.error.code for r in responses)
+    # The second either finds the first in flight (ALREADY_EXISTS) or arrives after it ended.
+    assert codes in ([0, 0], [0, 6])
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "clients.cli", *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+
+
+async def test_cli_classifies_a_folder(server, photos, tmp_path: Path) -> None:
+    (tmp_path / "nested").mkdir()
+    (tmp_path / "cat.jpg").write_bytes(photos["chelsea"])
+    (tmp_path / "nested" / "coffee.jpg").write_bytes(photos["coffee"])
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    result = await asyncio.to_thread(_cli, "classify", str(tmp_path), "--server", server,
+                                     "--json", "--top-k", "3")
+    rows = {Path(row["file"]).name: row for row in map(json.loads, result.stdout.splitlines())}
+    assert result.returncode == 1, result.stderr  # one image failed
+    assert rows["cat.jpg"]["labels"][0]["class_id"] in CATS
+    assert len(rows["coffee.jpg"]["labels"]) == 3
+    assert rows["broken.png"]["error"]["code"] == 3
+    table = await asyncio.to_thread(_cli, "classify", str(tmp_path / "cat.jpg"), "--server",
+                                    server)
+    assert table.returncode == 0 and "cat" in table.stdout
+
+
+def test_cli_reports_a_server_that_is_down() -> None:
+    result = _cli("info", "--server", "127.0.0.1:1", "--timeout", "2")
+    assert result.returncode == 2
+    assert "cannot reach the server" in result.stderr and "Traceback" not in result.stderr
