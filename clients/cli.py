@@ -27,6 +27,7 @@ class CliError(Exception):
 
 # -- serve ---------------------------------------------------------------------------------
 
+
 def _serve_config(path: Path, overrides: dict) -> tuple[dict, object]:
     import yaml
 
@@ -50,8 +51,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from engines.repository import ModelNotFoundError, resolve
 
-    overrides = {k: v for k, v in {"host": args.host, "port": args.port,
-                                   "model_repository": args.model_repository}.items() if v}
+    overrides = {
+        k: v
+        for k, v in {
+            "host": args.host,
+            "port": args.port,
+            "model_repository": args.model_repository,
+        }.items()
+        if v
+    }
     if args.engine:
         overrides["engine"] = {"kind": args.engine}
     config, app = _serve_config(args.config, overrides)
@@ -79,8 +87,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         info = asyncio.run(wait_ready())
         if info is not None:
-            print(f"raystream ready: gRPC on {address}, model {info.name}/{info.version}, "
-                  f"engine {info.engine} ({info.precision}); Ctrl-C stops", flush=True)
+            print(
+                f"raystream ready: gRPC on {address}, model {info.name}/{info.version}, "
+                f"engine {info.engine} ({info.precision}); Ctrl-C stops",
+                flush=True,
+            )
         return child.wait()
     except KeyboardInterrupt:
         child.send_signal(signal.SIGINT)
@@ -91,13 +102,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 # -- classify ------------------------------------------------------------------------------
 
+
 def _image_paths(paths: Sequence[str]) -> list[Path]:
     found: list[Path] = []
     for name in paths:
         path = Path(name)
         if path.is_dir():
-            found += sorted(p for p in path.rglob("*")
-                            if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+            found += sorted(
+                p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
+            )
         elif path.is_file():
             found.append(path)
         else:
@@ -114,21 +127,29 @@ async def _classify(args: argparse.Namespace) -> int:
 
     paths = _image_paths(args.paths)
     failed = 0
-    progress = tqdm(total=len(paths), unit="img", disable=not sys.stderr.isatty() or args.json,
-                    file=sys.stderr)
+    progress = tqdm(
+        total=len(paths), unit="img", disable=not sys.stderr.isatty() or args.json, file=sys.stderr
+    )
     rows = []
     async with Client(args.server, timeout=args.timeout) as client:
-        async for result in client.classify(paths, batch_size=args.batch_size,
-                                            top_k=args.top_k):
+        async for result in client.classify(paths, batch_size=args.batch_size, top_k=args.top_k):
             progress.update(1)
             failed += not result.ok
             if args.json:
-                print(json.dumps({
-                    "file": str(result.key),
-                    "labels": [vars(label) for label in result.labels],
-                    **({"error": {"code": result.error_code, "message": result.error}}
-                       if not result.ok else {}),
-                }), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "file": str(result.key),
+                            "labels": [vars(label) for label in result.labels],
+                            **(
+                                {"error": {"code": result.error_code, "message": result.error}}
+                                if not result.ok
+                                else {}
+                            ),
+                        }
+                    ),
+                    flush=True,
+                )
             else:
                 rows.append(result)
     progress.close()
@@ -157,6 +178,7 @@ def cmd_classify(args: argparse.Namespace) -> int:
 
 
 # -- info, export --------------------------------------------------------------------------
+
 
 async def _info(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
@@ -188,14 +210,19 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 # -- entry point ---------------------------------------------------------------------------
 
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="raystream", description="gRPC streaming image classification on Ray Serve.")
+        prog="raystream", description="gRPC streaming image classification on Ray Serve."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("serve", help="start the server (serve run) and wait until it answers",
-                       description="Validate the Serve config, start `serve run` on it in the "
-                                   "foreground, and print a line once gRPC answers.")
+    p = sub.add_parser(
+        "serve",
+        help="start the server (serve run) and wait until it answers",
+        description="Validate the Serve config, start `serve run` on it in the "
+        "foreground, and print a line once gRPC answers.",
+    )
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="Serve config YAML")
     p.add_argument("--host", help="bind address (default from config: 127.0.0.1)")
     p.add_argument("--port", type=int, help="gRPC port (default from config: 9000)")
@@ -203,9 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-repository", help="model repository directory")
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("classify", help="classify image files or folders over one stream",
-                       description="Send every image (files, or folders recursively) over one "
-                                   "bidirectional stream and print the top labels per file.")
+    p = sub.add_parser(
+        "classify",
+        help="classify image files or folders over one stream",
+        description="Send every image (files, or folders recursively) over one "
+        "bidirectional stream and print the top labels per file.",
+    )
     p.add_argument("paths", nargs="+", help="image files or folders")
     p.add_argument("--server", default=DEFAULT_SERVER, help="host:port (default %(default)s)")
     p.add_argument("--top-k", type=int, default=5, help="labels per image (default 5)")
@@ -220,11 +250,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=10.0)
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("export", help="export a torch model into the model repository",
-                       description="Export to ONNX (+ torch.export program), check ONNX Runtime "
-                                   "against torch on real photos, then write the version.")
-    p.add_argument("--model", default="efficientnet-lite0",
-                   help="efficientnet-lite0 (pretrained) or resnet50-random (benchmarks)")
+    p = sub.add_parser(
+        "export",
+        help="export a torch model into the model repository",
+        description="Export to ONNX (+ torch.export program), check ONNX Runtime "
+        "against torch on real photos, then write the version.",
+    )
+    p.add_argument(
+        "--model",
+        default="efficientnet-lite0",
+        help="efficientnet-lite0 (pretrained) or resnet50-random (benchmarks)",
+    )
     p.add_argument("--repository", type=Path, default=Path("models"))
     p.add_argument("--version", default="", help="version name (default: next integer)")
     p.add_argument("--if-missing", action="store_true", help="do nothing if a version exists")
@@ -244,8 +280,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except grpc.aio.AioRpcError as exc:
         server = getattr(args, "server", "")
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            print(f"raystream: cannot reach the server at {server} ({exc.details()}); is it "
-                  f"running? Start it with `make serve`.", file=sys.stderr)
+            print(
+                f"raystream: cannot reach the server at {server} ({exc.details()}); is it "
+                f"running? Start it with `make serve`.",
+                file=sys.stderr,
+            )
         else:
             print(f"raystream: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 2

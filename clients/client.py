@@ -59,12 +59,19 @@ def _keyed(items: Iterable[Item]) -> Iterable[tuple[object, bytes]]:
 
 
 class Client:
-    def __init__(self, address: str = "127.0.0.1:9000", *, timeout: float | None = None,
-                 max_message_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        address: str = "127.0.0.1:9000",
+        *,
+        timeout: float | None = None,
+        max_message_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
         self.address = address
         self._timeout = timeout
-        self._options = [("grpc.max_send_message_length", max_message_bytes),
-                         ("grpc.max_receive_message_length", max_message_bytes)]
+        self._options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ]
         self._channel: grpc.aio.Channel | None = None
         self._ids = itertools.count()
 
@@ -88,30 +95,43 @@ class Client:
             try:
                 return await self.model_info(timeout=2.0)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or \
-                        asyncio.get_running_loop().time() > deadline:
+                if (
+                    exc.code() != grpc.StatusCode.UNAVAILABLE
+                    or asyncio.get_running_loop().time() > deadline
+                ):
                     raise
             await asyncio.sleep(0.2)
 
     async def model_info(self, model: str = "", *, timeout: float | None = None) -> pb.ModelInfo:
-        return await self.stub.GetModelInfo(pb.ModelInfoRequest(model=model),
-                                            timeout=timeout or self._timeout)
+        return await self.stub.GetModelInfo(
+            pb.ModelInfoRequest(model=model), timeout=timeout or self._timeout
+        )
 
-    async def classify_once(self, images: list[bytes], *, top_k: int = 5,
-                            model: str = "") -> pb.ClassifyResponse:
-        request = pb.ClassifyRequest(request_id=str(next(self._ids)), images=images,
-                                     top_k=top_k, model=model)
+    async def classify_once(
+        self, images: list[bytes], *, top_k: int = 5, model: str = ""
+    ) -> pb.ClassifyResponse:
+        request = pb.ClassifyRequest(
+            request_id=str(next(self._ids)), images=images, top_k=top_k, model=model
+        )
         return await self.stub.ClassifyOnce(request, timeout=self._timeout)
 
-    async def stream(self, requests: AsyncIterable[pb.ClassifyRequest] | Iterable[
-            pb.ClassifyRequest]) -> AsyncIterator[pb.ClassifyResponse]:
+    async def stream(
+        self, requests: AsyncIterable[pb.ClassifyRequest] | Iterable[pb.ClassifyRequest]
+    ) -> AsyncIterator[pb.ClassifyResponse]:
         """The raw bidi stream: send requests, receive responses (in completion order)."""
         call = self.stub.Classify(requests, timeout=self._timeout)
         async for response in call:
             yield response
 
-    async def classify(self, items: Iterable[Item], *, batch_size: int = 16, top_k: int = 5,
-                       model: str = "", max_in_flight: int = 8) -> AsyncIterator[ImageResult]:
+    async def classify(
+        self,
+        items: Iterable[Item],
+        *,
+        batch_size: int = 16,
+        top_k: int = 5,
+        model: str = "",
+        max_in_flight: int = 8,
+    ) -> AsyncIterator[ImageResult]:
         """Classify every item over one stream; yields one ImageResult per image.
 
         Items are bytes, paths, or (key, bytes) pairs. A request-level error (bad top_k,
@@ -126,18 +146,21 @@ class Client:
                 await slots.acquire()
                 request_id = str(next(self._ids))
                 pending[request_id] = [key for key, _ in chunk]
-                yield pb.ClassifyRequest(request_id=request_id, images=[d for _, d in chunk],
-                                         top_k=top_k, model=model)
+                yield pb.ClassifyRequest(
+                    request_id=request_id, images=[d for _, d in chunk], top_k=top_k, model=model
+                )
 
         async for response in self.stream(requests()):
             slots.release()
             keys = pending.pop(response.request_id)
             if response.error.code:
                 for key in keys:
-                    yield ImageResult(key, (), response.error.code, response.error.message,
-                                      response.timing)
+                    yield ImageResult(
+                        key, (), response.error.code, response.error.message, response.timing
+                    )
                 continue
             for key, result in zip(keys, response.results, strict=True):
                 labels = tuple(Label(lb.class_id, lb.name, lb.score) for lb in result.labels)
-                yield ImageResult(key, labels, result.error.code, result.error.message,
-                                  response.timing)
+                yield ImageResult(
+                    key, labels, result.error.code, result.error.message, response.timing
+                )

@@ -31,8 +31,14 @@ def pick_engine(kind: EngineKind) -> str:
     return "onnxruntime"
 
 
-def create_engine(kind: EngineKind, model: ModelRef, *, max_batch_size: int = 64,
-                  precision: str = "fp16", **options: object) -> Engine:
+def create_engine(
+    kind: EngineKind,
+    model: ModelRef,
+    *,
+    max_batch_size: int = 64,
+    precision: str = "fp16",
+    **options: object,
+) -> Engine:
     """Build the engine `kind` for `model`; raises EngineError saying what to change."""
     chosen = pick_engine(kind)
     if chosen == "onnxruntime":
@@ -40,18 +46,17 @@ def create_engine(kind: EngineKind, model: ModelRef, *, max_batch_size: int = 64
 
         return OnnxRuntimeEngine(model, max_batch_size=max_batch_size, **options)
     if chosen in ("torch-cuda", "tensorrt") and not _cuda_available():
-        raise EngineError(f"engine {chosen!r} needs a CUDA GPU and none is visible to this "
-                          f"replica; give the inference deployment `num_gpus` in "
-                          f"ray_actor_options, or set engine: onnxruntime")
+        raise EngineError(
+            f"engine {chosen!r} needs a CUDA GPU and none is visible to this "
+            f"replica; give the inference deployment `num_gpus` in "
+            f"ray_actor_options, or set engine: onnxruntime"
+        )
     if chosen == "torch-cuda":
         from engines.torch_cuda import TorchCudaEngine
 
-        return TorchCudaEngine(model, max_batch_size=max_batch_size, precision=precision,
-                               **options)
+        return TorchCudaEngine(model, max_batch_size=max_batch_size, precision=precision, **options)
     if chosen == "tensorrt":
         from engines.tensorrt import TensorRTEngine
 
-        return TensorRTEngine(model, max_batch_size=max_batch_size, precision=precision,
-                              **options)
-    raise EngineError(f"unknown engine {kind!r}; choose auto, onnxruntime, torch-cuda or "
-                      f"tensorrt")
+        return TensorRTEngine(model, max_batch_size=max_batch_size, precision=precision, **options)
+    raise EngineError(f"unknown engine {kind!r}; choose auto, onnxruntime, torch-cuda or tensorrt")

@@ -55,13 +55,16 @@ class Engine(abc.ABC):
         """Run a float32 (N, C, H, W) batch, 1 <= N <= max_batch_size; return (N, classes)."""
         expected = self.info.input_shape
         if batch.ndim != 4 or tuple(batch.shape[1:]) != expected:
-            raise ValueError(f"batch must have shape (N, {', '.join(map(str, expected))}), "
-                             f"got {tuple(batch.shape)}")
+            raise ValueError(
+                f"batch must have shape (N, {', '.join(map(str, expected))}), "
+                f"got {tuple(batch.shape)}"
+            )
         if batch.dtype != np.float32:
             raise ValueError(f"batch must be float32, got {batch.dtype}")
         if not 1 <= batch.shape[0] <= self.info.max_batch_size:
-            raise ValueError(f"batch size must be in 1..{self.info.max_batch_size}, "
-                             f"got {batch.shape[0]}")
+            raise ValueError(
+                f"batch size must be in 1..{self.info.max_batch_size}, got {batch.shape[0]}"
+            )
         return self._infer(batch)
 
     def infer_uint8(self, images: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:

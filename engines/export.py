@@ -120,13 +120,19 @@ def export_model(
     model = item.build().eval()
     size = item.preprocess.input_size
     example = torch.zeros(2, 3, size, size)
-    with tempfile.TemporaryDirectory(dir=Path(repository).parent if Path(repository).exists()
-                                     else None) as tmp:
+    with tempfile.TemporaryDirectory(
+        dir=Path(repository).parent if Path(repository).exists() else None
+    ) as tmp:
         tmp = Path(tmp)
         logger.info("exporting %s to ONNX (opset %d)", name, ONNX_OPSET)
         torch.onnx.export(
-            model, (example,), str(tmp / ONNX_FILE), opset_version=ONNX_OPSET, dynamo=False,
-            input_names=["input"], output_names=["logits"],
+            model,
+            (example,),
+            str(tmp / ONNX_FILE),
+            opset_version=ONNX_OPSET,
+            dynamo=False,
+            input_names=["input"],
+            output_names=["logits"],
             dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
         )
         if with_torch:
@@ -136,8 +142,12 @@ def export_model(
 
         _check_parity(model, tmp / ONNX_FILE, item.preprocess)
         spec = ModelSpec(
-            name=name, version=version, preprocess=item.preprocess, labels=imagenet_labels(),
-            onnx_sha256=sha256_file(tmp / ONNX_FILE), source=item.source,
+            name=name,
+            version=version,
+            preprocess=item.preprocess,
+            labels=imagenet_labels(),
+            onnx_sha256=sha256_file(tmp / ONNX_FILE),
+            source=item.source,
         )
         (tmp / SPEC_FILE).write_text(spec.to_json())
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -157,8 +167,11 @@ def _check_parity(model: torch.nn.Module, onnx_path: Path, spec: PreprocessSpec)
     got = _softmax(session.run(None, {"input": batch})[0])
     diff = float(np.abs(expected - got).max())
     if diff > PARITY_ATOL or not np.array_equal(expected.argmax(1), got.argmax(1)):
-        raise RuntimeError(f"ONNX Runtime disagrees with torch: max |softmax diff| = {diff:.2e} "
-                           f"(limit {PARITY_ATOL:.0e}), top-1 {got.argmax(1)} vs "
-                           f"{expected.argmax(1)}")
-    logger.info("ONNX Runtime matches torch on %d photos (max |softmax diff| %.1e)",
-                len(batch), diff)
+        raise RuntimeError(
+            f"ONNX Runtime disagrees with torch: max |softmax diff| = {diff:.2e} "
+            f"(limit {PARITY_ATOL:.0e}), top-1 {got.argmax(1)} vs "
+            f"{expected.argmax(1)}"
+        )
+    logger.info(
+        "ONNX Runtime matches torch on %d photos (max |softmax diff| %.1e)", len(batch), diff
+    )

@@ -14,8 +14,14 @@ logger = logging.getLogger(__name__)
 
 
 class OnnxRuntimeEngine(Engine):
-    def __init__(self, model: ModelRef, *, max_batch_size: int = 64, threads: int = 0,
-                 providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> None:
+    def __init__(
+        self,
+        model: ModelRef,
+        *,
+        max_batch_size: int = 64,
+        threads: int = 0,
+        providers: tuple[str, ...] = ("CPUExecutionProvider",),
+    ) -> None:
         if not model.onnx_path.is_file():
             raise EngineError(f"{model.onnx_path} is missing; run `raystream export`")
         options = ort.SessionOptions()
@@ -25,11 +31,19 @@ class OnnxRuntimeEngine(Engine):
         self._input = self._session.get_inputs()[0].name
         size = model.spec.preprocess.input_size
         self.info = EngineInfo(
-            engine="onnxruntime", input_shape=(3, size, size), num_classes=model.spec.num_classes,
-            max_batch_size=max_batch_size, precision="fp32", device="cpu",
+            engine="onnxruntime",
+            input_shape=(3, size, size),
+            num_classes=model.spec.num_classes,
+            max_batch_size=max_batch_size,
+            precision="fp32",
+            device="cpu",
         )
-        logger.info("ONNX Runtime %s session on %s (%s)", ort.__version__,
-                    model.onnx_path, ",".join(self._session.get_providers()))
+        logger.info(
+            "ONNX Runtime %s session on %s (%s)",
+            ort.__version__,
+            model.onnx_path,
+            ",".join(self._session.get_providers()),
+        )
 
     def _infer(self, batch: np.ndarray) -> np.ndarray:
         return self._session.run(None, {self._input: batch})[0]

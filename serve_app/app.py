@@ -17,5 +17,6 @@ def build_app(args: dict[str, Any]) -> Application:
     config = AppConfig.model_validate(args)
     resolve(config.model_repository, config.model, config.model_version)
     shared = config.model_dump(mode="json")
-    return Ingress.bind(Preprocess.bind(shared), Inference.bind(shared), Postprocess.bind(shared),
-                        shared)
+    return Ingress.bind(
+        Preprocess.bind(shared), Inference.bind(shared), Postprocess.bind(shared), shared
+    )

@@ -41,9 +41,15 @@ _END = object()
 class ClassifierService(pb_grpc.ImageClassifierServicer):
     """raystream.v1.ImageClassifier over the Preprocess -> Inference -> Postprocess handles."""
 
-    def __init__(self, config: AppConfig, model: tuple[str, str, EngineInfo],
-                 preprocess: DeploymentHandle, inference: DeploymentHandle,
-                 postprocess: DeploymentHandle, max_batch_size: int) -> None:
+    def __init__(
+        self,
+        config: AppConfig,
+        model: tuple[str, str, EngineInfo],
+        preprocess: DeploymentHandle,
+        inference: DeploymentHandle,
+        postprocess: DeploymentHandle,
+        max_batch_size: int,
+    ) -> None:
         self._config = config
         self._name, self._version, self._engine = model
         self._preprocess, self._inference, self._postprocess = preprocess, inference, postprocess
@@ -53,14 +59,17 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
 
     def _check_model(self, model: str) -> None:
         if model and model not in (self._name, f"{self._name}/{self._version}"):
-            raise ModelNotFound(f"model {model!r} is not served here; this server serves "
-                                f"{self._name!r} version {self._version!r}")
+            raise ModelNotFound(
+                f"model {model!r} is not served here; this server serves "
+                f"{self._name!r} version {self._version!r}"
+            )
 
     def _top_k(self, request: pb.ClassifyRequest) -> int:
         top_k = request.top_k or DEFAULT_TOP_K
         if not 1 <= top_k <= self._engine.num_classes:
-            raise InvalidArgument(f"top_k must be in 1..{self._engine.num_classes}, "
-                                  f"got {request.top_k}")
+            raise InvalidArgument(
+                f"top_k must be in 1..{self._engine.num_classes}, got {request.top_k}"
+            )
         return top_k
 
     # -- one request ----------------------------------------------------------------------
@@ -70,8 +79,9 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         top_k = self._top_k(request)
         limit = self._config.limits.max_images_per_request
         if len(request.images) > limit:
-            raise InvalidArgument(f"request has {len(request.images)} images, over the limit "
-                                  f"of {limit} per request")
+            raise InvalidArgument(
+                f"request has {len(request.images)} images, over the limit of {limit} per request"
+            )
         preprocessed = self._preprocess.remote(list(request.images))
         inferred = self._inference.remote(preprocessed)
         return await self._postprocess.remote(inferred, top_k)
@@ -118,9 +128,15 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
                     await slots.acquire()  # backpressure: stop reading while full
                     if request.request_id and request.request_id in in_flight:
                         slots.release()
-                        await responses.put(_error_response(request, DuplicateRequest(
-                            f"request_id {request.request_id!r} is already in flight on "
-                            f"this stream")))
+                        await responses.put(
+                            _error_response(
+                                request,
+                                DuplicateRequest(
+                                    f"request_id {request.request_id!r} is already in flight on "
+                                    f"this stream"
+                                ),
+                            )
+                        )
                         continue
                     if request.request_id:
                         in_flight.add(request.request_id)
@@ -154,9 +170,14 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         except ModelNotFound as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         return pb.ModelInfo(
-            name=self._name, version=self._version, engine=self._engine.engine,
-            input_shape=[-1, *self._engine.input_shape], num_classes=self._engine.num_classes,
-            max_batch_size=self._max_batch_size, precision=self._engine.precision)
+            name=self._name,
+            version=self._version,
+            engine=self._engine.engine,
+            input_shape=[-1, *self._engine.input_shape],
+            num_classes=self._engine.num_classes,
+            max_batch_size=self._max_batch_size,
+            precision=self._engine.precision,
+        )
 
 
 def _error_response(request: pb.ClassifyRequest, exc: Exception) -> pb.ClassifyResponse:
@@ -184,18 +205,31 @@ def _fill(response: pb.ClassifyResponse, classified: Classified) -> None:
 class Ingress:
     """Starts the gRPC server in this replica; it serves until the replica stops."""
 
-    async def __init__(self, preprocess: DeploymentHandle, inference: DeploymentHandle,
-                       postprocess: DeploymentHandle, config: dict) -> None:
+    async def __init__(
+        self,
+        preprocess: DeploymentHandle,
+        inference: DeploymentHandle,
+        postprocess: DeploymentHandle,
+        config: dict,
+    ) -> None:
         self._config = AppConfig.model_validate(config)
         model = await inference.info.remote()
         limits = self._config.limits
-        self._server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", limits.max_message_bytes),
-            ("grpc.max_send_message_length", limits.max_message_bytes),
-            ("grpc.so_reuseport", 0),
-        ])
-        service = ClassifierService(self._config, model, preprocess, inference, postprocess,
-                                    self._config.engine.max_batch_size)
+        self._server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", limits.max_message_bytes),
+                ("grpc.max_send_message_length", limits.max_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        service = ClassifierService(
+            self._config,
+            model,
+            preprocess,
+            inference,
+            postprocess,
+            self._config.engine.max_batch_size,
+        )
         pb_grpc.add_ImageClassifierServicer_to_server(service, self._server)
         address = f"{self._config.host}:{self._config.port}"
         self._port = self._server.add_insecure_port(address)
@@ -203,8 +237,15 @@ class Ingress:
             raise RuntimeError(f"cannot bind gRPC to {address}: is the port in use?")
         await self._server.start()
         name, version, engine = model
-        logger.info("raystream ready: gRPC on %s:%d serving %s/%s on %s (%s)",
-                    self._config.host, self._port, name, version, engine.engine, engine.device)
+        logger.info(
+            "raystream ready: gRPC on %s:%d serving %s/%s on %s (%s)",
+            self._config.host,
+            self._port,
+            name,
+            version,
+            engine.engine,
+            engine.device,
+        )
 
     def port(self) -> int:
         return self._port

@@ -1,7 +1,7 @@
 """Messages between the pipeline's stages: small frozen dataclasses, never bare tuples.
 
-    Ingress --images--> Preprocess --Preprocessed--> Inference --Inferred--> Postprocess
-            <-------------------------------- Classified --------------------------------
+Ingress --images--> Preprocess --Preprocessed--> Inference --Inferred--> Postprocess
+        <-------------------------------- Classified --------------------------------
 """
 
 from __future__ import annotations

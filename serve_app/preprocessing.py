@@ -39,23 +39,29 @@ def decode(data: bytes, spec: PreprocessSpec, limits: DecodeLimits = DecodeLimit
     if not data:
         raise InvalidImage("image is empty (0 bytes)")
     if len(data) > limits.max_image_bytes:
-        raise InvalidImage(f"image is {len(data)} bytes, over the limit of "
-                           f"{limits.max_image_bytes} bytes")
+        raise InvalidImage(
+            f"image is {len(data)} bytes, over the limit of {limits.max_image_bytes} bytes"
+        )
     try:
         image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
-        raise InvalidImage(f"not a supported image ({len(data)} bytes, no JPEG/PNG/WebP/BMP/"
-                           f"GIF/TIFF header found)") from None
+        raise InvalidImage(
+            f"not a supported image ({len(data)} bytes, no JPEG/PNG/WebP/BMP/GIF/TIFF header found)"
+        ) from None
     except Image.DecompressionBombError as exc:
         raise InvalidImage(f"image declares too many pixels: {exc}") from None
     with image:
         if image.format not in ALLOWED_FORMATS:
-            raise InvalidImage(f"image format {image.format} is not supported "
-                               f"(supported: {', '.join(sorted(ALLOWED_FORMATS))})")
+            raise InvalidImage(
+                f"image format {image.format} is not supported "
+                f"(supported: {', '.join(sorted(ALLOWED_FORMATS))})"
+            )
         width, height = image.size
         if width * height > limits.max_pixels:
-            raise InvalidImage(f"image is {width}x{height} = {width * height} pixels, over the "
-                               f"limit of {limits.max_pixels} pixels")
+            raise InvalidImage(
+                f"image is {width}x{height} = {width * height} pixels, over the "
+                f"limit of {limits.max_pixels} pixels"
+            )
         if width == 0 or height == 0:
             raise InvalidImage(f"image has no pixels ({width}x{height})")
         try:
@@ -64,8 +70,9 @@ def decode(data: bytes, spec: PreprocessSpec, limits: DecodeLimits = DecodeLimit
             image.load()  # first frame only for multi-frame images
             return crop_to_input(_to_rgb(ImageOps.exif_transpose(image)), spec)
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-            raise InvalidImage(f"{image.format} image data is corrupt or truncated: {exc}") \
-                from None
+            raise InvalidImage(
+                f"{image.format} image data is corrupt or truncated: {exc}"
+            ) from None
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
@@ -90,8 +97,10 @@ def crop_to_input(image: Image.Image, spec: PreprocessSpec) -> np.ndarray:
     image = image.convert("RGB")
     width, height = image.size
     scale = spec.resize_size / min(width, height)
-    new_w, new_h = max(spec.input_size, round(width * scale)), max(
-        spec.input_size, round(height * scale))
+    new_w, new_h = (
+        max(spec.input_size, round(width * scale)),
+        max(spec.input_size, round(height * scale)),
+    )
     resample = Image.Resampling[spec.interpolation.upper()]
     image = image.resize((new_w, new_h), resample)
     left, top = (new_w - spec.input_size) // 2, (new_h - spec.input_size) // 2

@@ -49,8 +49,9 @@ class Preprocess:
         self._spec = _load_model(self._config).spec.preprocess
         limits = self._config.limits
         self._limits = preprocessing.DecodeLimits(limits.max_image_bytes, limits.max_image_pixels)
-        self._pool = ThreadPoolExecutor(self._config.preprocess_threads,
-                                        thread_name_prefix="decode")
+        self._pool = ThreadPoolExecutor(
+            self._config.preprocess_threads, thread_name_prefix="decode"
+        )
 
     def _decode(self, data: bytes) -> np.ndarray | ImageFailure:
         try:
@@ -62,15 +63,25 @@ class Preprocess:
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
         decoded = await asyncio.gather(
-            *(loop.run_in_executor(self._pool, self._decode, data) for data in images))
+            *(loop.run_in_executor(self._pool, self._decode, data) for data in images)
+        )
         ok = [i for i, d in enumerate(decoded) if isinstance(d, np.ndarray)]
         size = self._spec.input_size
-        pixels = (np.stack([decoded[i] for i in ok]) if ok
-                  else np.empty((0, size, size, 3), np.uint8))
-        failures = tuple(dataclasses.replace(d, index=i) for i, d in enumerate(decoded)
-                         if isinstance(d, ImageFailure))
-        return Preprocessed(count=len(images), pixels=pixels, indices=tuple(ok),
-                            failures=failures, timing=StageTiming(preprocess_ms=_ms_since(start)))
+        pixels = (
+            np.stack([decoded[i] for i in ok]) if ok else np.empty((0, size, size, 3), np.uint8)
+        )
+        failures = tuple(
+            dataclasses.replace(d, index=i)
+            for i, d in enumerate(decoded)
+            if isinstance(d, ImageFailure)
+        )
+        return Preprocessed(
+            count=len(images),
+            pixels=pixels,
+            indices=tuple(ok),
+            failures=failures,
+            timing=StageTiming(preprocess_ms=_ms_since(start)),
+        )
 
 
 @dataclass(frozen=True)
@@ -91,8 +102,11 @@ def _images_in(items: list[_Queued]) -> int:
     return sum(len(item.pixels) for item in items)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=64,
-                  user_config=BatchingConfig().model_dump())
+@serve.deployment(
+    ray_actor_options={"num_cpus": 0.5},
+    max_ongoing_requests=64,
+    user_config=BatchingConfig().model_dump(),
+)
 class Inference:
     """Owns one engine and batches across every request that reaches this replica."""
 
@@ -103,8 +117,12 @@ class Inference:
         self._mean = model.spec.preprocess.mean_array
         self._std = model.spec.preprocess.std_array
         self._engine = create_engine(
-            config.engine.kind, model, max_batch_size=config.engine.max_batch_size,
-            precision=config.engine.precision, **config.engine.options)
+            config.engine.kind,
+            model,
+            max_batch_size=config.engine.max_batch_size,
+            precision=config.engine.precision,
+            **config.engine.options,
+        )
         self._engine.warmup()
         self._max_batch = BatchingConfig().max_batch_size
         logger.info("engine ready: %s", self._engine.info)
@@ -112,8 +130,10 @@ class Inference:
     def reconfigure(self, user_config: dict) -> None:
         batching = BatchingConfig.model_validate(user_config)
         if batching.max_batch_size > self._engine.info.max_batch_size:
-            raise ValueError(f"max_batch_size must be at most the engine's "
-                             f"{self._engine.info.max_batch_size}, got {batching.max_batch_size}")
+            raise ValueError(
+                f"max_batch_size must be at most the engine's "
+                f"{self._engine.info.max_batch_size}, got {batching.max_batch_size}"
+            )
         self._max_batch = batching.max_batch_size
         self._run_batch.set_max_batch_size(batching.max_batch_size)
         self._run_batch.set_batch_wait_timeout_s(batching.batch_wait_timeout_s)
@@ -129,25 +149,31 @@ class Inference:
         logits = self._engine.infer_uint8(pixels, self._mean, self._std)
         inference_ms = _ms_since(start)
         bounds = np.cumsum([0] + [len(item.pixels) for item in items])
-        return [_Ran(logits[lo:hi], (start - item.enqueued) * 1000.0, inference_ms, len(pixels))
-                for item, lo, hi in zip(items, bounds[:-1], bounds[1:], strict=True)]
+        return [
+            _Ran(logits[lo:hi], (start - item.enqueued) * 1000.0, inference_ms, len(pixels))
+            for item, lo, hi in zip(items, bounds[:-1], bounds[1:], strict=True)
+        ]
 
     async def __call__(self, pre: Preprocessed) -> Inferred:
         if len(pre.pixels) == 0:
             logits = np.empty((0, self._spec.num_classes), np.float32)
             return Inferred(pre.count, logits, pre.indices, pre.failures, pre.timing)
         if pre.pixels.shape[1:] != (*self._engine.info.input_shape[1:], 3):
-            raise InvalidArgument(f"pixels must be (N, H, W, 3) at the model's input size, "
-                                  f"got {pre.pixels.shape}")
+            raise InvalidArgument(
+                f"pixels must be (N, H, W, 3) at the model's input size, got {pre.pixels.shape}"
+            )
         # A request larger than one batch is split into chunks that batch independently.
         now = time.perf_counter()
-        chunks = [pre.pixels[i:i + self._max_batch]
-                  for i in range(0, len(pre.pixels), self._max_batch)]
+        chunks = [
+            pre.pixels[i : i + self._max_batch] for i in range(0, len(pre.pixels), self._max_batch)
+        ]
         ran = await asyncio.gather(*(self._run_batch(_Queued(c, now)) for c in chunks))
         timing = dataclasses.replace(
-            pre.timing, queue_ms=max(r.queue_ms for r in ran),
+            pre.timing,
+            queue_ms=max(r.queue_ms for r in ran),
             inference_ms=max(r.inference_ms for r in ran),
-            batch_size=max(r.batch_size for r in ran))
+            batch_size=max(r.batch_size for r in ran),
+        )
         logits = np.concatenate([r.logits for r in ran])
         return Inferred(pre.count, logits, pre.indices, pre.failures, timing)
 

@@ -23,8 +23,10 @@ def photos() -> dict[str, bytes]:
     """Real photos from scikit-image, as JPEG bytes (the format clients send most)."""
     from skimage import data
 
-    return {name: encode(getattr(data, name)(), quality=95)
-            for name in ("chelsea", "coffee", "astronaut", "rocket")}
+    return {
+        name: encode(getattr(data, name)(), quality=95)
+        for name in ("chelsea", "coffee", "astronaut", "rocket")
+    }
 
 
 @pytest.fixture(scope="session")
@@ -52,8 +54,12 @@ def model(model_repository: Path):
 def ray_cluster():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}},
+    )
     yield
     ray.shutdown()
 
@@ -66,9 +72,14 @@ def server(ray_cluster, model_repository: Path) -> str:
     from serve_app.app import build_app
 
     serve.start(proxy_location="Disabled")
-    app = build_app({"model_repository": str(model_repository), "port": 0,
-                     "engine": {"kind": "onnxruntime"},
-                     "limits": {"max_images_per_request": 16}})
+    app = build_app(
+        {
+            "model_repository": str(model_repository),
+            "port": 0,
+            "engine": {"kind": "onnxruntime"},
+            "limits": {"max_images_per_request": 16},
+        }
+    )
     handle = serve.run(app, name="raystream", route_prefix=None)
     port = handle.port.remote().result()
     yield f"127.0.0.1:{port}"

@@ -17,15 +17,34 @@ HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
 
 ENGINES = [
     pytest.param("onnxruntime", "fp32", 1e-4, id="onnxruntime-fp32"),
-    pytest.param("torch-cuda", "fp16", 1e-2, id="torch-cuda-fp16", marks=[
-        pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]),
-    pytest.param("torch-cuda", "bf16", 1e-2, id="torch-cuda-bf16", marks=[
-        pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]),
-    pytest.param("tensorrt", "fp16", 1e-2, id="tensorrt-fp16", marks=[
-        pytest.mark.tensorrt,
-        pytest.mark.skipif(not (HAS_CUDA and HAS_TENSORRT),
-                           reason="needs a CUDA GPU and the tensorrt package (not installable "
-                                  "on any machine here; see README)")]),
+    pytest.param(
+        "torch-cuda",
+        "fp16",
+        1e-2,
+        id="torch-cuda-fp16",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")],
+    ),
+    pytest.param(
+        "torch-cuda",
+        "bf16",
+        1e-2,
+        id="torch-cuda-bf16",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")],
+    ),
+    pytest.param(
+        "tensorrt",
+        "fp16",
+        1e-2,
+        id="tensorrt-fp16",
+        marks=[
+            pytest.mark.tensorrt,
+            pytest.mark.skipif(
+                not (HAS_CUDA and HAS_TENSORRT),
+                reason="needs a CUDA GPU and the tensorrt package (not installable "
+                "on any machine here; see README)",
+            ),
+        ],
+    ),
 ]
 
 
@@ -47,8 +66,7 @@ def test_engine_parity_with_fp32_reference(model, reference, kind, precision, at
         np.testing.assert_array_equal(got.argmax(1), expected.argmax(1))
         assert np.abs(got - expected).max() <= atol
         # Any batch composition gives each image the same answer (padding, buckets).
-        singles = np.concatenate([softmax(engine.infer(batch[i:i + 1]))
-                                  for i in range(3)])
+        singles = np.concatenate([softmax(engine.infer(batch[i : i + 1])) for i in range(3)])
         np.testing.assert_allclose(softmax(engine.infer(batch[:3])), singles, atol=atol / 10)
 
 

@@ -8,8 +8,9 @@ from serve_app.postprocessing import labels_for, softmax, top_k
 
 def test_softmax_matches_scipy() -> None:
     logits = np.random.default_rng(0).normal(0, 10, (5, 1000)).astype(np.float32)
-    np.testing.assert_allclose(softmax(logits), scipy_softmax(logits.astype(np.float64), axis=1),
-                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        softmax(logits), scipy_softmax(logits.astype(np.float64), axis=1), rtol=1e-5, atol=1e-7
+    )
 
 
 def test_softmax_is_stable_for_large_logits() -> None:

@@ -81,17 +81,22 @@ def test_exif_orientation_is_applied() -> None:
 
 def _png_header_only(width: int, height: int) -> bytes:
     def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(
-            ">I", zlib.crc32(kind + body))
+        return (
+            struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        )
+
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
 
 
-@pytest.mark.parametrize(("data", "message"), [
-    (b"", "empty"),
-    (bytes(np.random.default_rng(2).integers(0, 256, 5000, dtype=np.uint8)), "not a supported"),
-    (_png_header_only(50_000, 50_000), "pixels"),
-])
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"", "empty"),
+        (bytes(np.random.default_rng(2).integers(0, 256, 5000, dtype=np.uint8)), "not a supported"),
+        (_png_header_only(50_000, 50_000), "pixels"),
+    ],
+)
 def test_bad_images_are_invalid_argument(data: bytes, message: str) -> None:
     with pytest.raises(InvalidImage, match=message) as info:
         decode(data, SPEC)

@@ -34,8 +34,12 @@ async def _stream(server: str, requests: list[pb.ClassifyRequest]) -> list[pb.Cl
 
 async def test_real_photos_get_correct_labels_matching_onnx(server, photos, model) -> None:
     async with Client(server) as client:
-        results = [r async for r in client.classify(
-            [("chelsea", photos["chelsea"]), ("coffee", photos["coffee"])], top_k=5)]
+        results = [
+            r
+            async for r in client.classify(
+                [("chelsea", photos["chelsea"]), ("coffee", photos["coffee"])], top_k=5
+            )
+        ]
     by_key = {r.key: r for r in results}
     assert by_key["chelsea"].labels[0].class_id in CATS
     assert by_key["coffee"].labels[0].class_id in COFFEE
@@ -44,20 +48,24 @@ async def test_real_photos_get_correct_labels_matching_onnx(server, photos, mode
     session = ort.InferenceSession(str(model.onnx_path), providers=["CPUExecutionProvider"])
     for name in ("chelsea", "coffee"):
         pixels = decode(photos[name], spec)[None]
-        probs = softmax(session.run(None, {"input": normalize(
-            pixels, spec.mean_array, spec.std_array)})[0])[0]
+        probs = softmax(
+            session.run(None, {"input": normalize(pixels, spec.mean_array, spec.std_array)})[0]
+        )[0]
         labels = by_key[name].labels
         assert [lb.class_id for lb in labels] == list(np.argsort(-probs)[:5])
-        np.testing.assert_allclose([lb.score for lb in labels],
-                                   probs[[lb.class_id for lb in labels]], atol=1e-4)
+        np.testing.assert_allclose(
+            [lb.score for lb in labels], probs[[lb.class_id for lb in labels]], atol=1e-4
+        )
         assert labels[0].name == model.spec.labels[labels[0].class_id]
 
 
 async def test_bad_images_fail_alone_and_the_stream_goes_on(server, photos) -> None:
     chelsea = photos["chelsea"]
     requests = [
-        pb.ClassifyRequest(request_id="mixed", images=[
-            chelsea, chelsea[: len(chelsea) // 3], os.urandom(4096), b"", photos["coffee"]]),
+        pb.ClassifyRequest(
+            request_id="mixed",
+            images=[chelsea, chelsea[: len(chelsea) // 3], os.urandom(4096), b"", photos["coffee"]],
+        ),
         pb.ClassifyRequest(request_id="after", images=[chelsea]),
     ]
     responses = {r.request_id: r for r in await _stream(server, requests)}
@@ -93,8 +101,10 @@ async def test_request_errors_are_answered_in_their_response(server, photos) -> 
 
 async def test_many_requests_on_one_stream_each_answered_once(server, photos) -> None:
     names = list(photos)
-    requests = [pb.ClassifyRequest(request_id=f"r{i}", images=[photos[names[i % 4]]] * (1 + i % 3))
-                for i in range(40)]
+    requests = [
+        pb.ClassifyRequest(request_id=f"r{i}", images=[photos[names[i % 4]]] * (1 + i % 3))
+        for i in range(40)
+    ]
     responses = await _stream(server, requests)
     assert sorted(r.request_id for r in responses) == sorted(f"r{i}" for i in range(40))
     for response in responses:
@@ -110,15 +120,19 @@ async def test_unary_and_stream_agree(server, photos) -> None:
     (streamed,) = await _stream(server, [pb.ClassifyRequest(images=images, top_k=3)])
     for a, b in zip(unary.results, streamed.results, strict=True):
         assert [lb.class_id for lb in a.labels] == [lb.class_id for lb in b.labels]
-        np.testing.assert_allclose([lb.score for lb in a.labels], [lb.score for lb in b.labels],
-                                   atol=1e-6)
+        np.testing.assert_allclose(
+            [lb.score for lb in a.labels], [lb.score for lb in b.labels], atol=1e-6
+        )
 
 
 async def test_model_info(server, model) -> None:
     async with Client(server) as client:
         info = await client.model_info()
-        assert (info.name, info.version, info.engine) == ("efficientnet-lite0",
-                                                           model.spec.version, "onnxruntime")
+        assert (info.name, info.version, info.engine) == (
+            "efficientnet-lite0",
+            model.spec.version,
+            "onnxruntime",
+        )
         assert list(info.input_shape) == [-1, 3, 224, 224] and info.num_classes == 1000
         assert info.precision == "fp32" and info.max_batch_size >= 1
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -127,8 +141,10 @@ async def test_model_info(server, model) -> None:
 
 
 async def test_duplicate_request_id_in_flight_is_rejected(server, photos) -> None:
-    requests = [pb.ClassifyRequest(request_id="same", images=[photos["coffee"]] * 8),
-                pb.ClassifyRequest(request_id="same", images=[photos["coffee"]])]
+    requests = [
+        pb.ClassifyRequest(request_id="same", images=[photos["coffee"]] * 8),
+        pb.ClassifyRequest(request_id="same", images=[photos["coffee"]]),
+    ]
     responses = await _stream(server, requests)
     assert len(responses) == 2
     codes = sorted(r.error.code for r in responses)
@@ -137,8 +153,13 @@ async def test_duplicate_request_id_in_flight_is_rejected(server, photos) -> Non
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "clients.cli", *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "clients.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
 
 
 async def test_cli_classifies_a_folder(server, photos, tmp_path: Path) -> None:
@@ -146,15 +167,15 @@ async def test_cli_classifies_a_folder(server, photos, tmp_path: Path) -> None:
     (tmp_path / "cat.jpg").write_bytes(photos["chelsea"])
     (tmp_path / "nested" / "coffee.jpg").write_bytes(photos["coffee"])
     (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
-    result = await asyncio.to_thread(_cli, "classify", str(tmp_path), "--server", server,
-                                     "--json", "--top-k", "3")
+    result = await asyncio.to_thread(
+        _cli, "classify", str(tmp_path), "--server", server, "--json", "--top-k", "3"
+    )
     rows = {Path(row["file"]).name: row for row in map(json.loads, result.stdout.splitlines())}
     assert result.returncode == 1, result.stderr  # one image failed
     assert rows["cat.jpg"]["labels"][0]["class_id"] in CATS
     assert len(rows["coffee.jpg"]["labels"]) == 3
     assert rows["broken.png"]["error"]["code"] == 3
-    table = await asyncio.to_thread(_cli, "classify", str(tmp_path / "cat.jpg"), "--server",
-                                    server)
+    table = await asyncio.to_thread(_cli, "classify", str(tmp_path / "cat.jpg"), "--server", server)
     assert table.returncode == 0 and "cat" in table.stdout
 
 
