@@ -12,9 +12,13 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
+
+from engines.base import EngineError
+from engines.repository import ModelNotFoundError
 
 DEFAULT_SERVER = "127.0.0.1:9000"
 DEFAULT_CONFIG = Path("deploy/serve_config.yaml")
@@ -208,6 +212,83 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- bench, build-engine ------------------------------------------------------------------
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from clients import loadgen
+
+    images = loadgen.folder_images(args.images) if args.images else loadgen.builtin_photos()
+    base = loadgen.Workload(
+        images=images,
+        batch_size=args.batch_size,
+        streams=args.streams,
+        in_flight=args.in_flight,
+        rate=args.rate,
+        duration_s=args.duration,
+        max_requests=args.requests,
+        unary=args.unary,
+        top_k=args.top_k,
+    )
+    if args.sweep:
+        values = [float(v) for v in args.sweep.split(",")]
+        field = "rate" if args.rate else "streams"
+        loads = [replace(base, **{field: v if field == "rate" else int(v)}) for v in values]
+    else:
+        loads = [base]
+    reports = []
+    for load in loads:
+        report = asyncio.run(loadgen.run_load(args.server, load))
+        label = (
+            f"rate {load.rate:.0f}/s" if load.rate else f"{load.streams} streams x {load.in_flight}"
+        )
+        print(f"{label:>22}: {report.line()}", flush=True)
+        reports.append(report)
+    result = {"server": args.server, "reports": [vars(r) for r in reports]}
+    if args.baseline:
+        baseline = loadgen.in_process_baseline(
+            args.repository,
+            args.model,
+            args.engine,
+            images,
+            args.batch_size,
+            args.duration / 2,
+            threads=args.threads,
+        )
+        best = max(r.images_per_s for r in reports)
+        result["baseline"] = baseline
+        for key, value in baseline.items():
+            print(f"in-process {key}: {value:.1f}  (server / in-process = {best / value:.2f})")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench.json").write_text(json.dumps(result, indent=1, default=str))
+        if len(reports) > 1:
+            loadgen.plot_sweep(
+                reports,
+                args.out / "sweep.png",
+                f"raystream at {args.server}, batch {args.batch_size}",
+            )
+        print(f"wrote {args.out}/bench.json" + (" and sweep.png" if len(reports) > 1 else ""))
+    return 0
+
+
+def cmd_build_engine(args: argparse.Namespace) -> int:
+    from engines.repository import resolve
+    from engines.tensorrt import TensorRTEngine
+
+    ref = resolve(args.repository, args.model, args.version)
+    engine = TensorRTEngine(
+        ref,
+        max_batch_size=args.max_batch_size,
+        precision=args.precision,
+        calibration_dir=args.calibration_dir,
+        slots=1,
+    )
+    print(f"TensorRT engine ready for {ref.path} ({engine.info})")
+    engine.close()
+    return 0
+
+
 # -- entry point ---------------------------------------------------------------------------
 
 
@@ -226,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="Serve config YAML")
     p.add_argument("--host", help="bind address (default from config: 127.0.0.1)")
     p.add_argument("--port", type=int, help="gRPC port (default from config: 9000)")
-    p.add_argument("--engine", choices=["auto", "onnxruntime", "torch-cuda", "tensorrt"])
+    p.add_argument("--engine", choices=["auto", "onnxruntime", "torch-cuda", "tensorrt", "echo"])
     p.add_argument("--model-repository", help="model repository directory")
     p.set_defaults(func=cmd_serve)
 
@@ -266,6 +347,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--if-missing", action="store_true", help="do nothing if a version exists")
     p.add_argument("--onnx-only", action="store_true", help="skip the torch.export program")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser(
+        "bench",
+        help="load-generate against a server: throughput, latency",
+        description="Open concurrent bidi streams (or unary calls) sending "
+        "requests of --batch-size images, closed-loop (--in-flight "
+        "per stream) or open-loop (--rate, Poisson), and report "
+        "images/s, latency percentiles, errors and the server's "
+        "timing breakdown.",
+    )
+    p.add_argument("--server", default=DEFAULT_SERVER)
+    p.add_argument("--images", type=Path, help="folder of images (default: built-in photos)")
+    p.add_argument("--batch-size", type=int, default=8, help="images per request")
+    p.add_argument("--streams", type=int, default=1, help="concurrent streams")
+    p.add_argument("--in-flight", type=int, default=1, help="closed loop: requests per stream")
+    p.add_argument("--rate", type=float, help="open loop: requests/s over all streams")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per load")
+    p.add_argument("--requests", type=int, help="stop each stream after this many requests")
+    p.add_argument("--unary", action="store_true", help="ClassifyOnce calls instead of streams")
+    p.add_argument("--top-k", type=int, default=5)
+    p.add_argument("--sweep", help="comma-separated stream counts (or rates with --rate)")
+    p.add_argument("--out", type=Path, help="write bench.json (and sweep.png) here")
+    p.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also run the same model in-process (no gRPC, no Ray)",
+    )
+    p.add_argument("--repository", type=Path, default=Path("models"))
+    p.add_argument("--model", default="efficientnet-lite0")
+    p.add_argument("--engine", default="auto", help="engine for --baseline")
+    p.add_argument("--threads", type=int, default=2, help="decode threads for --baseline")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser(
+        "build-engine",
+        help="build (or find) the TensorRT engine for this GPU",
+        description="ONNX -> TensorRT engine for this GPU and TensorRT version, "
+        "cached in the model repository. Needs tensorrt and a GPU.",
+    )
+    p.add_argument("--repository", type=Path, default=Path("models"))
+    p.add_argument("--model", default="efficientnet-lite0")
+    p.add_argument("--version", default="")
+    p.add_argument("--precision", choices=["fp32", "fp16", "bf16", "int8"], default="fp16")
+    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--calibration-dir", help="INT8: folder of representative images")
+    p.set_defaults(func=cmd_build_engine)
     return parser
 
 
@@ -275,6 +402,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except CliError as exc:
+        print(f"raystream: {exc}", file=sys.stderr)
+        return 2
+    except (EngineError, ModelNotFoundError, FileNotFoundError) as exc:
         print(f"raystream: {exc}", file=sys.stderr)
         return 2
     except grpc.aio.AioRpcError as exc:

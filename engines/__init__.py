@@ -8,7 +8,7 @@ from typing import Literal
 from engines.base import Engine, EngineError, EngineInfo
 from engines.repository import ModelRef
 
-EngineKind = Literal["auto", "onnxruntime", "torch-cuda", "tensorrt"]
+EngineKind = Literal["auto", "onnxruntime", "torch-cuda", "tensorrt", "echo"]
 
 __all__ = ["Engine", "EngineError", "EngineInfo", "EngineKind", "create_engine", "pick_engine"]
 
@@ -41,6 +41,10 @@ def create_engine(
 ) -> Engine:
     """Build the engine `kind` for `model`; raises EngineError saying what to change."""
     chosen = pick_engine(kind)
+    if chosen == "echo":  # transport benchmarks only: fixed logits, no model
+        from engines.echo import EchoEngine
+
+        return EchoEngine(model, max_batch_size=max_batch_size)
     if chosen == "onnxruntime":
         from engines.onnxruntime import OnnxRuntimeEngine
 

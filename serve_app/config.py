@@ -17,7 +17,8 @@ class _Strict(BaseModel):
 
 
 class EngineConfig(_Strict):
-    kind: Literal["auto", "onnxruntime", "torch-cuda", "tensorrt"] = "auto"
+    # echo: no model, fixed logits; for transport benchmarks and tests only.
+    kind: Literal["auto", "onnxruntime", "torch-cuda", "tensorrt", "echo"] = "auto"
     precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp16"  # GPU engines only
     max_batch_size: int = Field(64, ge=1, le=4096)  # largest batch the engine accepts
     options: dict[str, object] = Field(default_factory=dict)  # engine-specific keywords

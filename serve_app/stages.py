@@ -98,6 +98,9 @@ class _Ran:
     batch_size: int
 
 
+MAX_CONCURRENT_BATCHES = 2  # GPU engines hold this many slots (engines/cuda_graphs.py)
+
+
 def _images_in(items: list[_Queued]) -> int:
     return sum(len(item.pixels) for item in items)
 
@@ -124,6 +127,11 @@ class Inference:
             **config.engine.options,
         )
         self._engine.warmup()
+        # The engine runs in its own threads so the replica's event loop keeps accepting
+        # requests (and forming the next batch) while a batch runs. A CPU engine already uses
+        # every core for one batch; a GPU engine overlaps two (its slots).
+        workers = 1 if self._engine.info.device == "cpu" else MAX_CONCURRENT_BATCHES
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="engine")
         self._max_batch = BatchingConfig().max_batch_size
         logger.info("engine ready: %s", self._engine.info)
 
@@ -142,11 +150,18 @@ class Inference:
     def info(self) -> tuple[str, str, EngineInfo]:
         return self._spec.name, self._spec.version, self._engine.info
 
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.004, batch_size_fn=_images_in)
+    @serve.batch(
+        max_batch_size=32,
+        batch_wait_timeout_s=0.004,
+        batch_size_fn=_images_in,
+        max_concurrent_batches=MAX_CONCURRENT_BATCHES,
+    )
     async def _run_batch(self, items: list[_Queued]) -> list[_Ran]:
         start = time.perf_counter()
         pixels = np.concatenate([item.pixels for item in items])
-        logits = self._engine.infer_uint8(pixels, self._mean, self._std)
+        logits = await asyncio.get_running_loop().run_in_executor(
+            self._executor, self._engine.infer_uint8, pixels, self._mean, self._std
+        )
         inference_ms = _ms_since(start)
         bounds = np.cumsum([0] + [len(item.pixels) for item in items])
         return [

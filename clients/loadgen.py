@@ -1,0 +1,274 @@
+"""Load generator for raystream (`raystream bench`): concurrent bidi streams or unary calls,
+closed-loop (fixed requests in flight per stream) or open-loop (Poisson arrivals at a target
+rate), reporting throughput, latency percentiles, errors by code and the server's own timing
+breakdown. `sweep()` runs a series of loads for a latency/throughput curve, and
+`in_process_baseline()` runs the same work without gRPC or Ray, so a report can print
+"server / in-process" from one run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import io
+import itertools
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from clients.client import Client
+from raystream.v1 import classifier_pb2 as pb
+
+PERCENTILES = (50, 90, 95, 99)
+
+
+@dataclass(frozen=True)
+class Workload:
+    images: tuple[bytes, ...]  # cycled through
+    batch_size: int = 8  # images per request
+    streams: int = 1
+    in_flight: int = 1  # closed loop: outstanding requests per stream
+    rate: float | None = None  # open loop: requests/s over all streams (Poisson)
+    duration_s: float = 10.0
+    max_requests: int | None = None  # per stream
+    unary: bool = False
+    top_k: int = 5
+
+
+@dataclass
+class Report:
+    images_per_s: float
+    requests_per_s: float
+    requests: int
+    latency_ms: dict[str, float]  # p50, p90, p95, p99, max, mean
+    errors: dict[str, int]  # gRPC code name -> requests or images with that error
+    server_ms: dict[str, float]  # mean queue / preprocess / inference / postprocess / total
+    mean_batch_size: float
+    offered: dict = field(default_factory=dict)
+
+    def line(self) -> str:
+        lat = self.latency_ms
+        return (
+            f"{self.images_per_s:9.1f} img/s {self.requests_per_s:8.1f} req/s  p50 "
+            f"{lat['p50']:7.2f}  p90 {lat['p90']:7.2f}  p99 {lat['p99']:7.2f}  max "
+            f"{lat['max']:7.2f} ms  batch {self.mean_batch_size:5.1f}  errors "
+            f"{self.errors or 0}"
+        )
+
+
+def builtin_photos() -> tuple[bytes, ...]:
+    """Real photos from scikit-image as JPEG bytes (about 450x300 to 512x512)."""
+    from PIL import Image
+    from skimage import data
+
+    out = []
+    for name in (
+        "chelsea",
+        "coffee",
+        "astronaut",
+        "rocket",
+        "motorcycle_left",
+        "hubble_deep_field",
+    ):
+        buffer = io.BytesIO()
+        Image.fromarray(getattr(data, name)()).convert("RGB").save(buffer, "JPEG", quality=90)
+        out.append(buffer.getvalue())
+    return tuple(out)
+
+
+def folder_images(folder: Path) -> tuple[bytes, ...]:
+    from clients.cli import IMAGE_SUFFIXES
+
+    paths = sorted(p for p in Path(folder).rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not paths:
+        raise FileNotFoundError(f"no images under {folder}")
+    return tuple(p.read_bytes() for p in paths)
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.latencies: list[float] = []
+        self.errors: collections.Counter[str] = collections.Counter()
+        self.server: collections.defaultdict[str, float] = collections.defaultdict(float)
+        self.batch_sizes: list[int] = []
+        self.images = 0
+
+    def record(self, sent: float, response: pb.ClassifyResponse) -> None:
+        self.latencies.append((time.perf_counter() - sent) * 1000.0)
+        if response.error.code:
+            self.errors[_code_name(response.error.code)] += 1
+            return
+        for result in response.results:
+            if result.error.code:
+                self.errors[_code_name(result.error.code)] += 1
+        self.images += len(response.results)
+        t = response.timing
+        for key in ("queue_ms", "preprocess_ms", "inference_ms", "postprocess_ms", "total_ms"):
+            self.server[key] += getattr(t, key)
+        self.batch_sizes.append(t.batch_size)
+
+
+def _code_name(code: int) -> str:
+    return next((s.name for s in grpc.StatusCode if s.value[0] == code), str(code))
+
+
+async def _requests(
+    workload: Workload,
+    sent: dict[str, float],
+    slots: asyncio.Semaphore | None,
+    deadline: float,
+    prefix: str,
+    rng: random.Random,
+) -> AsyncIterator[pb.ClassifyRequest]:
+    images = itertools.cycle(workload.images)
+    per_stream_rate = workload.rate / workload.streams if workload.rate else None
+    next_at = time.perf_counter()
+    for i in itertools.count():
+        if workload.max_requests is not None and i >= workload.max_requests:
+            return
+        if per_stream_rate:
+            next_at += rng.expovariate(per_stream_rate)
+            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+        else:
+            await slots.acquire()
+        if time.perf_counter() >= deadline:
+            return
+        request_id = f"{prefix}-{i}"
+        sent[request_id] = time.perf_counter()
+        yield pb.ClassifyRequest(
+            request_id=request_id,
+            top_k=workload.top_k,
+            images=list(itertools.islice(images, workload.batch_size)),
+        )
+
+
+async def _one_stream(
+    client: Client, workload: Workload, recorder: _Recorder, deadline: float, index: int
+) -> None:
+    sent: dict[str, float] = {}
+    slots = None if workload.rate else asyncio.Semaphore(workload.in_flight)
+    rng = random.Random(index)
+    requests = _requests(workload, sent, slots, deadline, f"s{index}", rng)
+    if workload.unary:
+
+        async def worker() -> None:
+            async for request in requests:
+                response = await client.stub.ClassifyOnce(request)
+                recorder.record(sent.pop(request.request_id), response)
+                if slots:
+                    slots.release()
+
+        await worker()
+        return
+    async for response in client.stream(requests):
+        recorder.record(sent.pop(response.request_id), response)
+        if slots:
+            slots.release()
+
+
+async def run_load(address: str, workload: Workload) -> Report:
+    recorder = _Recorder()
+    async with Client(address) as client:
+        await client.wait_ready(timeout=30)
+        start = time.perf_counter()
+        deadline = start + workload.duration_s
+        await asyncio.gather(
+            *(_one_stream(client, workload, recorder, deadline, i) for i in range(workload.streams))
+        )
+        elapsed = time.perf_counter() - start
+    return _report(recorder, elapsed, workload)
+
+
+def _report(recorder: _Recorder, elapsed: float, workload: Workload) -> Report:
+    lat = np.asarray(recorder.latencies or [0.0])
+    count = max(1, len(recorder.batch_sizes))
+    offered = {k: v for k, v in asdict(workload).items() if k != "images"}
+    return Report(
+        images_per_s=recorder.images / elapsed,
+        requests_per_s=len(recorder.latencies) / elapsed,
+        requests=len(recorder.latencies),
+        latency_ms={
+            **{f"p{p}": float(np.percentile(lat, p)) for p in PERCENTILES},
+            "max": float(lat.max()),
+            "mean": float(lat.mean()),
+        },
+        errors=dict(recorder.errors),
+        server_ms={k: v / count for k, v in recorder.server.items()},
+        mean_batch_size=float(np.mean(recorder.batch_sizes or [0])),
+        offered=offered,
+    )
+
+
+def in_process_baseline(
+    repository: Path,
+    model: str,
+    engine_kind: str,
+    images: tuple[bytes, ...],
+    batch_size: int,
+    duration_s: float,
+    threads: int = 2,
+    **engine_options: object,
+) -> dict[str, float]:
+    """The same work without gRPC or Ray: decode (in `threads` threads) + engine at
+    `batch_size`, and the engine alone on already-decoded crops. Images/s for both."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engines import create_engine
+    from engines.repository import resolve
+    from serve_app.preprocessing import decode
+
+    ref = resolve(repository, model)
+    spec = ref.spec.preprocess
+    mean, std = spec.mean_array, spec.std_array
+    batch = [images[i % len(images)] for i in range(batch_size)]
+    with (
+        create_engine(
+            engine_kind, ref, max_batch_size=max(batch_size, 1), **engine_options
+        ) as engine,
+        ThreadPoolExecutor(threads) as pool,
+    ):
+        engine.warmup()
+        crops = np.stack(list(pool.map(lambda d: decode(d, spec), batch)))
+        engine_only = _rate(lambda: engine.infer_uint8(crops, mean, std), batch_size, duration_s)
+        full = _rate(
+            lambda: engine.infer_uint8(
+                np.stack(list(pool.map(lambda d: decode(d, spec), batch))), mean, std
+            ),
+            batch_size,
+            duration_s,
+        )
+    return {"decode_and_engine_images_per_s": full, "engine_images_per_s": engine_only}
+
+
+def _rate(fn, batch_size: int, duration_s: float) -> float:
+    fn()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < duration_s:
+        fn()
+        count += 1
+    return count * batch_size / (time.perf_counter() - start)
+
+
+def plot_sweep(reports: list[Report], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    throughput = [r.images_per_s for r in reports]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in ("p50", "p90", "p99"):
+        ax.plot(throughput, [r.latency_ms[key] for r in reports], marker="o", label=key)
+    ax.set_xlabel("throughput (images/s)")
+    ax.set_ylabel("end-to-end latency (ms)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

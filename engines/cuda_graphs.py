@@ -1,0 +1,145 @@
+"""The serving half shared by both graph-captured GPU engines (torch-CUDA and TensorRT).
+
+A `GraphEngine` holds `slots` independent sets of {CUDA stream, pinned host buffers, device
+staging buffer, one captured graph per bucket}. A batch takes a free slot for its whole run,
+so with `@serve.batch(max_concurrent_batches=k)` and k <= slots no two batches ever write the
+same static input, while one batch's host copies overlap another's GPU work. A batch of n
+images runs as the pieces `BucketPlanner` chooses, each copied from pinned memory into its
+graph's static input on the slot's stream (normalized there when it arrives as uint8),
+replayed, and copied back.
+"""
+
+from __future__ import annotations
+
+import abc
+import queue
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engines.base import Engine
+from engines.buckets import BucketPlanner
+
+
+@dataclass
+class CapturedGraph:
+    graph: torch.cuda.CUDAGraph
+    input: torch.Tensor  # (bucket, C, H, W): the graph's static input
+    output: torch.Tensor  # (bucket, classes): the graph's static output
+
+
+class Slot:
+    def __init__(self, engine: GraphEngine) -> None:
+        c, h, w = engine.info.input_shape
+        n, device = engine.info.max_batch_size, engine.device
+        self.stream = torch.cuda.Stream(device)
+        self.host_u8 = torch.empty((n, h, w, c), dtype=torch.uint8).pin_memory()
+        self.host_f32 = torch.empty((n, c, h, w), dtype=torch.float32).pin_memory()
+        self.host_out = torch.empty((n, engine.info.num_classes), dtype=torch.float32).pin_memory()
+        self.device_u8 = torch.empty((n, h, w, c), dtype=torch.uint8, device=device)
+        self.graphs: dict[int, CapturedGraph] = {}
+        for bucket in sorted(engine.buckets, reverse=True):  # largest first: pool reuse
+            self.graphs[bucket] = engine._capture(bucket, self)
+
+
+Fill = Callable[[CapturedGraph, int, int, int], None]
+
+
+class GraphEngine(Engine):
+    """Subclasses set `info`, `device`, `buckets`, implement `_capture`, then call
+    `_start_slots()`."""
+
+    device: torch.device
+    buckets: tuple[int, ...]
+    planner: BucketPlanner
+
+    @abc.abstractmethod
+    def _capture(self, bucket: int, slot: Slot) -> CapturedGraph:
+        """Warm up and capture the graph for `bucket` on `slot.stream`."""
+
+    def _start_slots(self, slots: int, plan_by_latency: bool) -> dict[int, float] | None:
+        self._scale = self._shift = None  # uint8 normalization constants, made when needed
+        self._slots: queue.Queue[Slot] = queue.Queue()
+        with torch.inference_mode():
+            for _ in range(slots):
+                self._slots.put(Slot(self))
+        latency = self._measure() if plan_by_latency else None
+        self.planner = BucketPlanner(self.buckets, latency)
+        return latency
+
+    def _measure(self, repeats: int = 20) -> dict[int, float]:
+        """Median replay time of each bucket's graph (CUDA events), for the planner."""
+        slot = self._slots.queue[0]
+        latency = {}
+        for bucket, graph in slot.graphs.items():
+            times = []
+            for _ in range(repeats):
+                begin = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                begin.record(slot.stream)
+                graph.graph.replay()
+                end.record(slot.stream)
+                end.synchronize()
+                times.append(begin.elapsed_time(end))
+            latency[bucket] = float(np.median(times))
+        return latency
+
+    @contextmanager
+    def _slot(self) -> Iterator[Slot]:
+        slot = self._slots.get()
+        try:
+            yield slot
+        finally:
+            self._slots.put(slot)
+
+    def _run(self, slot: Slot, n: int, fill: Fill) -> np.ndarray:
+        lo = 0
+        with torch.inference_mode(), torch.cuda.stream(slot.stream):
+            for bucket in self.planner.plan(n):
+                count = min(bucket, n - lo)
+                graph = slot.graphs[bucket]
+                fill(graph, lo, lo + count, count)
+                graph.graph.replay()
+                slot.host_out[lo : lo + count].copy_(graph.output[:count], non_blocking=True)
+                lo += count
+            slot.stream.synchronize()
+        return slot.host_out[:n].numpy().copy()
+
+    def _infer(self, batch: np.ndarray) -> np.ndarray:
+        n = len(batch)
+        with self._slot() as slot:
+            slot.host_f32[:n].numpy()[...] = batch
+
+            def fill(graph: CapturedGraph, lo: int, hi: int, count: int) -> None:
+                graph.input[:count].copy_(slot.host_f32[lo:hi].to(self.device, non_blocking=True))
+
+            return self._run(slot, n, fill)
+
+    def infer_uint8(self, images: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+        """Upload uint8 crops (a quarter of float32's bytes) and normalize on the GPU."""
+        c, h, w = self.info.input_shape
+        n = len(images)
+        if not 1 <= n <= self.info.max_batch_size or images.shape[1:] != (h, w, c):
+            return super().infer_uint8(images, mean, std)  # the base class's checks and errors
+        if self._scale is None:
+            self._scale = torch.tensor(1.0 / (255.0 * std), device=self.device).view(1, -1, 1, 1)
+            self._shift = torch.tensor(mean / std, device=self.device).view(1, -1, 1, 1)
+        with self._slot() as slot:
+            slot.host_u8[:n].numpy()[...] = images
+
+            def fill(graph: CapturedGraph, lo: int, hi: int, count: int) -> None:
+                pixels = slot.device_u8[lo:hi]
+                pixels.copy_(slot.host_u8[lo:hi], non_blocking=True)
+                graph.input[:count].copy_(
+                    pixels.permute(0, 3, 1, 2).float().mul_(self._scale).sub_(self._shift)
+                )
+
+            return self._run(slot, n, fill)
+
+    def close(self) -> None:
+        while not self._slots.empty():
+            self._slots.get_nowait()
+        torch.cuda.empty_cache()

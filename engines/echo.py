@@ -1,0 +1,33 @@
+"""A trivial engine for transport and batching benchmarks/tests: no model, fixed-size logits.
+
+Never a stand-in for a result: it is selected only by `engine: {kind: echo}`, reports
+engine "echo", and its logits say nothing about the image (class 0 wins, always).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engines.base import Engine, EngineInfo
+from engines.repository import ModelRef
+
+
+class EchoEngine(Engine):
+    def __init__(self, model: ModelRef, *, max_batch_size: int = 64) -> None:
+        size = model.spec.preprocess.input_size
+        self.info = EngineInfo(
+            engine="echo",
+            input_shape=(3, size, size),
+            num_classes=model.spec.num_classes,
+            max_batch_size=max_batch_size,
+            precision="none",
+            device="cpu",
+        )
+
+    def _infer(self, batch: np.ndarray) -> np.ndarray:
+        logits = np.zeros((len(batch), self.info.num_classes), np.float32)
+        logits[:, 0] = 1.0
+        return logits
+
+    def infer_uint8(self, images: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+        return self._infer(images)  # skip normalization: this engine measures the pipeline

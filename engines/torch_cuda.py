@@ -1,0 +1,123 @@
+"""torch-CUDA engine: FP16/BF16 (or FP32), channels-last, one CUDA graph per batch bucket.
+
+Start-up: load the module (the torch.export program written by `raystream export`), warm it
+up with cuDNN autotuning, optionally `torch.compile` it (default mode, no autotuning, so
+start-up stays bounded) for buckets from `compile_min_batch` up, capture one CUDA graph per
+bucket and slot (engines/cuda_graphs.py), and time each replay for the bucket planner. The
+replica reports ready only after all of this, so no request pays for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engines.base import EngineError, EngineInfo
+from engines.buckets import buckets_up_to
+from engines.cuda_graphs import CapturedGraph, GraphEngine, Slot
+from engines.repository import ModelRef
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class TorchCudaEngine(GraphEngine):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        input_shape: tuple[int, int, int],
+        num_classes: int,
+        max_batch_size: int = 64,
+        precision: str = "fp16",
+        device: str = "cuda",
+        slots: int = 2,
+        compile_min_batch: int | None = None,
+        plan_by_latency: bool = True,
+    ) -> None:
+        if precision not in DTYPES:
+            raise EngineError(
+                f"torch-cuda runs fp32, fp16 or bf16, got precision "
+                f"{precision!r} (int8 needs engine: tensorrt)"
+            )
+        if not torch.cuda.is_available():
+            raise EngineError("torch-cuda needs a CUDA GPU and none is visible")
+        start = time.perf_counter()
+        self.device = torch.device(device)
+        self.dtype = DTYPES[precision]
+        self.buckets = buckets_up_to(max_batch_size)
+        self.info = EngineInfo(
+            engine="torch-cuda",
+            input_shape=tuple(input_shape),
+            num_classes=num_classes,
+            max_batch_size=max_batch_size,
+            precision=precision,
+            device=str(self.device),
+        )
+        torch.backends.cudnn.benchmark = True
+        self._module = (
+            module.eval().to(self.device, self.dtype).to(memory_format=torch.channels_last)
+        )
+        self._compiled = (
+            torch.compile(self._module, dynamic=False) if compile_min_batch is not None else None
+        )
+        self._compile_min_batch = compile_min_batch or 0
+        self._pool = torch.cuda.graph_pool_handle()
+        latency = self._start_slots(slots, plan_by_latency)
+        self.startup_s = time.perf_counter() - start
+        logger.info(
+            "torch-cuda ready in %.1f s: %s, buckets %s, %d slots, replay ms %s",
+            self.startup_s,
+            precision,
+            self.buckets,
+            slots,
+            latency,
+        )
+
+    @classmethod
+    def from_model(cls, model: ModelRef, **options: object) -> TorchCudaEngine:
+        if not model.torch_path.is_file():
+            raise EngineError(
+                f"{model.torch_path} is missing: run `raystream export` (it writes "
+                f"the torch.export program next to model.onnx)"
+            )
+        try:
+            module = torch.export.load(str(model.torch_path)).module()
+        except Exception as exc:
+            raise EngineError(
+                f"cannot load {model.torch_path} with torch {torch.__version__}: "
+                f"{exc}; re-run `raystream export` with this torch"
+            ) from exc
+        size = model.spec.preprocess.input_size
+        return cls(
+            module, input_shape=(3, size, size), num_classes=model.spec.num_classes, **options
+        )
+
+    def _capture(self, bucket: int, slot: Slot) -> CapturedGraph:
+        c, h, w = self.info.input_shape
+        static_in = (
+            torch.randn((bucket, c, h, w), device=self.device)
+            .to(self.dtype)
+            .contiguous(memory_format=torch.channels_last)
+        )
+        fn = (
+            self._compiled
+            if self._compiled is not None and bucket >= self._compile_min_batch
+            else self._module
+        )
+        slot.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(slot.stream):
+            for _ in range(3):  # cuDNN autotuning, compilation and lazy init happen here
+                fn(static_in)
+        slot.stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=slot.stream):
+            static_out = fn(static_in)
+        return CapturedGraph(graph, static_in, static_out)
+
+    def close(self) -> None:
+        super().close()
+        self._module = self._compiled = None
