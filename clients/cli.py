@@ -41,7 +41,17 @@ def _serve_config(path: Path, overrides: dict) -> tuple[dict, object]:
         raise CliError(f"Serve config {path} not found")
     config = yaml.safe_load(path.read_text())
     app = config["applications"][0]
-    app["args"] = {**(app.get("args") or {}), **overrides}
+    args = dict(app.get("args") or {})
+    for key, value in overrides.items():  # nested sections (engine: {...}) merge, not replace
+        merge = isinstance(value, dict) and isinstance(args.get(key), dict)
+        args[key] = {**args[key], **value} if merge else value
+    app["args"] = args
+    if args.get("topology") == "fused":  # these deployments only exist in the chained topology
+        app["deployments"] = [
+            d
+            for d in app.get("deployments", [])
+            if d.get("name") not in ("Preprocess", "Postprocess")
+        ]
     try:
         validated = AppConfig.model_validate(app["args"])
     except ValueError as exc:
@@ -66,6 +76,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     }
     if args.engine:
         overrides["engine"] = {"kind": args.engine}
+    if args.topology:
+        overrides["topology"] = args.topology
     config, app = _serve_config(args.config, overrides)
     try:
         resolve(app.model_repository, app.model, app.model_version)
@@ -309,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="gRPC port (default from config: 9000)")
     p.add_argument("--engine", choices=["auto", "onnxruntime", "torch-cuda", "tensorrt", "echo"])
     p.add_argument("--model-repository", help="model repository directory")
+    p.add_argument("--topology", choices=["chained", "fused"], help="see README, Architecture")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(

@@ -62,21 +62,23 @@ class Report:
 
 
 def builtin_photos() -> tuple[bytes, ...]:
-    """Real photos from scikit-image as JPEG bytes (about 450x300 to 512x512)."""
+    """Real photos from scikit-image as JPEG bytes (451x300 to 1000x872)."""
     from PIL import Image
     from skimage import data
 
+    photos = [
+        data.chelsea(),
+        data.coffee(),
+        data.astronaut(),
+        data.rocket(),
+        data.hubble_deep_field(),
+        data.immunohistochemistry(),
+        data.stereo_motorcycle()[0],
+    ]
     out = []
-    for name in (
-        "chelsea",
-        "coffee",
-        "astronaut",
-        "rocket",
-        "motorcycle_left",
-        "hubble_deep_field",
-    ):
+    for photo in photos:
         buffer = io.BytesIO()
-        Image.fromarray(getattr(data, name)()).convert("RGB").save(buffer, "JPEG", quality=90)
+        Image.fromarray(photo).convert("RGB").save(buffer, "JPEG", quality=90)
         out.append(buffer.getvalue())
     return tuple(out)
 

@@ -41,6 +41,9 @@ class AppConfig(_Strict):
     engine: EngineConfig = EngineConfig()
     limits: LimitsConfig = LimitsConfig()
     preprocess_threads: int = Field(2, ge=1, le=64)  # PIL releases the GIL while decoding
+    # chained: Ingress -> Preprocess -> Inference -> Postprocess deployments (3 Ray calls per
+    # request); fused: decode in the ingress, postprocess in Inference (1 call). pipeline.py.
+    topology: Literal["chained", "fused"] = "chained"
 
     @model_validator(mode="after")
     def _absolute_repository(self) -> AppConfig:
@@ -53,4 +56,10 @@ class BatchingConfig(_Strict):
     """The inference deployment's `user_config`: changed at run time without a restart."""
 
     max_batch_size: int = Field(32, ge=1)  # images per engine batch
-    batch_wait_timeout_s: float = Field(0.004, ge=0.0, le=10.0)
+    # 0: a batch starts as soon as the engine is free and takes everything queued meanwhile
+    # (under load batches fill by themselves; at low load nothing waits).
+    batch_wait_timeout_s: float = Field(0.0, ge=0.0, le=10.0)
+    # dynamic: serve_app/batching.py (batches form when the engine is free); serve: Ray
+    # Serve's @serve.batch (forms batches eagerly; for comparison).
+    batcher: Literal["dynamic", "serve"] = "dynamic"
+    max_queued_images: int = Field(4096, ge=1)  # past this, requests get RESOURCE_EXHAUSTED

@@ -2,9 +2,8 @@
 
 Ray Serve's own gRPC proxy costs about 18x a plain grpc.aio server per bidi message
 (../shared/FINDINGS.md), so the ingress deployment runs its own grpc.aio server on the
-replica's event loop and talks to the pipeline through DeploymentHandles. One request (all
-of its images) costs three Ray calls, chained so that the ingress awaits only the last one:
-the pixels and logits travel between stages without passing through the ingress.
+replica's event loop and talks to the pipeline through DeploymentHandles; one request (all of
+its images) costs one Ray call (topology `fused`) or three (`chained`): serve_app/pipeline.py.
 
 This is the only module that imports grpc and turns errors into status codes.
 """
@@ -31,6 +30,7 @@ from serve_app.errors import (
     message_for,
 )
 from serve_app.messages import Classified
+from serve_app.pipeline import ChainedPipeline, FusedPipeline, Pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -39,21 +39,14 @@ _END = object()
 
 
 class ClassifierService(pb_grpc.ImageClassifierServicer):
-    """raystream.v1.ImageClassifier over the Preprocess -> Inference -> Postprocess handles."""
+    """raystream.v1.ImageClassifier over a Pipeline (serve_app/pipeline.py)."""
 
     def __init__(
-        self,
-        config: AppConfig,
-        model: tuple[str, str, EngineInfo],
-        preprocess: DeploymentHandle,
-        inference: DeploymentHandle,
-        postprocess: DeploymentHandle,
-        max_batch_size: int,
+        self, config: AppConfig, model: tuple[str, str, EngineInfo], pipeline: Pipeline
     ) -> None:
         self._config = config
         self._name, self._version, self._engine = model
-        self._preprocess, self._inference, self._postprocess = preprocess, inference, postprocess
-        self._max_batch_size = max_batch_size
+        self._pipeline = pipeline
 
     # -- request validation -------------------------------------------------------------
 
@@ -82,9 +75,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
             raise InvalidArgument(
                 f"request has {len(request.images)} images, over the limit of {limit} per request"
             )
-        preprocessed = self._preprocess.remote(list(request.images))
-        inferred = self._inference.remote(preprocessed)
-        return await self._postprocess.remote(inferred, top_k)
+        return await self._pipeline.classify(list(request.images), top_k)
 
     async def _respond(self, request: pb.ClassifyRequest) -> pb.ClassifyResponse:
         """Exactly one response per request: the result, or the error that says why not."""
@@ -175,7 +166,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
             engine=self._engine.engine,
             input_shape=[-1, *self._engine.input_shape],
             num_classes=self._engine.num_classes,
-            max_batch_size=self._max_batch_size,
+            max_batch_size=self._engine.max_batch_size,
             precision=self._engine.precision,
         )
 
@@ -207,13 +198,18 @@ class Ingress:
 
     async def __init__(
         self,
-        preprocess: DeploymentHandle,
-        inference: DeploymentHandle,
-        postprocess: DeploymentHandle,
         config: dict,
+        inference: DeploymentHandle,
+        preprocess: DeploymentHandle | None = None,
+        postprocess: DeploymentHandle | None = None,
     ) -> None:
+        self._server: grpc.aio.Server | None = None
         self._config = AppConfig.model_validate(config)
         model = await inference.info.remote()
+        if preprocess is not None and postprocess is not None:
+            pipeline: Pipeline = ChainedPipeline(preprocess, inference, postprocess)
+        else:
+            pipeline = FusedPipeline(self._config, inference)
         limits = self._config.limits
         self._server = grpc.aio.server(
             options=[
@@ -222,14 +218,7 @@ class Ingress:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        service = ClassifierService(
-            self._config,
-            model,
-            preprocess,
-            inference,
-            postprocess,
-            self._config.engine.max_batch_size,
-        )
+        service = ClassifierService(self._config, model, pipeline)
         pb_grpc.add_ImageClassifierServicer_to_server(service, self._server)
         address = f"{self._config.host}:{self._config.port}"
         self._port = self._server.add_insecure_port(address)
@@ -252,4 +241,5 @@ class Ingress:
 
     async def __del__(self) -> None:
         # Ray Serve calls __del__ when it stops a replica: let in-flight calls finish briefly.
-        await self._server.stop(grace=5.0)
+        if self._server is not None:
+            await self._server.stop(grace=5.0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ from ray import serve
 from engines import EngineInfo, create_engine
 from engines.repository import ModelRef, resolve
 from serve_app import postprocessing, preprocessing
+from serve_app.batching import DynamicBatcher
 from serve_app.config import AppConfig, BatchingConfig
 from serve_app.errors import InvalidArgument, InvalidImage
 from serve_app.messages import (
@@ -42,16 +44,17 @@ def _load_model(config: AppConfig) -> ModelRef:
     return resolve(config.model_repository, config.model, config.model_version)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=32)
-class Preprocess:
-    def __init__(self, config: dict) -> None:
-        self._config = AppConfig.model_validate(config)
-        self._spec = _load_model(self._config).spec.preprocess
-        limits = self._config.limits
+class Preprocessor:
+    """Decodes a request's images in a thread pool (PIL releases the GIL while decoding).
+
+    Hosted by the Preprocess deployment (topology `chained`) or inside the ingress replica
+    (topology `fused`)."""
+
+    def __init__(self, config: AppConfig) -> None:
+        self._spec = _load_model(config).spec.preprocess
+        limits = config.limits
         self._limits = preprocessing.DecodeLimits(limits.max_image_bytes, limits.max_image_pixels)
-        self._pool = ThreadPoolExecutor(
-            self._config.preprocess_threads, thread_name_prefix="decode"
-        )
+        self._pool = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="decode")
 
     def _decode(self, data: bytes) -> np.ndarray | ImageFailure:
         try:
@@ -59,7 +62,7 @@ class Preprocess:
         except InvalidImage as exc:
             return ImageFailure(-1, int(exc.code), str(exc))
 
-    async def __call__(self, images: list[bytes]) -> Preprocessed:
+    async def run(self, images: list[bytes]) -> Preprocessed:
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
         decoded = await asyncio.gather(
@@ -84,16 +87,41 @@ class Preprocess:
         )
 
 
+def postprocess(inferred: Inferred, top_k: int, labels: tuple[str, ...]) -> Classified:
+    """Softmax + top-k + names for the good images; failures stay at their positions.
+
+    Run by the Postprocess deployment (topology `chained`) or inside the Inference replica
+    (topology `fused`)."""
+    start = time.perf_counter()
+    outcomes = [ImageOutcome()] * inferred.count
+    for failure in inferred.failures:
+        outcomes[failure.index] = ImageOutcome(failure=failure)
+    ranked = postprocessing.labels_for(inferred.logits, top_k, labels)
+    for index, image_labels in zip(inferred.indices, ranked, strict=True):
+        outcomes[index] = ImageOutcome(labels=image_labels)
+    timing = dataclasses.replace(inferred.timing, postprocess_ms=_ms_since(start))
+    return Classified(tuple(outcomes), timing)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=32)
+class Preprocess:
+    def __init__(self, config: dict) -> None:
+        self._preprocessor = Preprocessor(AppConfig.model_validate(config))
+
+    async def __call__(self, images: list[bytes]) -> Preprocessed:
+        return await self._preprocessor.run(images)
+
+
 @dataclass(frozen=True)
 class _Queued:
-    pixels: np.ndarray
-    enqueued: float  # perf_counter() when the chunk entered the batch queue
+    pixels: np.ndarray  # uint8 (n, H, W, 3): one request, or one chunk of a large request
+    enqueued: float  # perf_counter() when it entered the batch queue
 
 
 @dataclass(frozen=True)
 class _Ran:
     logits: np.ndarray
-    queue_ms: float
+    started: float  # perf_counter() when its batch started
     inference_ms: float
     batch_size: int
 
@@ -111,9 +139,13 @@ def _images_in(items: list[_Queued]) -> int:
     user_config=BatchingConfig().model_dump(),
 )
 class Inference:
-    """Owns one engine and batches across every request that reaches this replica."""
+    """Owns one engine and batches across every request that reaches this replica.
 
-    def __init__(self, config: dict) -> None:
+    `batcher: dynamic` (serve_app/batching.py) forms a batch when the engine can take it;
+    `batcher: serve` uses Ray Serve's `@serve.batch`, which forms batches eagerly (kept for
+    comparison; see docs/benchmarks.md)."""
+
+    async def __init__(self, config: dict) -> None:
         config = AppConfig.model_validate(config)
         model = _load_model(config)
         self._spec = model.spec
@@ -128,11 +160,18 @@ class Inference:
         )
         self._engine.warmup()
         # The engine runs in its own threads so the replica's event loop keeps accepting
-        # requests (and forming the next batch) while a batch runs. A CPU engine already uses
-        # every core for one batch; a GPU engine overlaps two (its slots).
+        # requests while a batch runs. A CPU engine already uses every core for one batch;
+        # a GPU engine overlaps two (its slots).
         workers = 1 if self._engine.info.device == "cpu" else MAX_CONCURRENT_BATCHES
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="engine")
-        self._max_batch = BatchingConfig().max_batch_size
+        self._batching = BatchingConfig()
+        self._batcher = DynamicBatcher(
+            self._run_engine,
+            len,
+            max_batch_size=self._batching.max_batch_size,
+            max_concurrent=workers,
+            max_queued=self._batching.max_queued_images,
+        )
         logger.info("engine ready: %s", self._engine.info)
 
     def reconfigure(self, user_config: dict) -> None:
@@ -142,34 +181,55 @@ class Inference:
                 f"max_batch_size must be at most the engine's "
                 f"{self._engine.info.max_batch_size}, got {batching.max_batch_size}"
             )
-        self._max_batch = batching.max_batch_size
-        self._run_batch.set_max_batch_size(batching.max_batch_size)
-        self._run_batch.set_batch_wait_timeout_s(batching.batch_wait_timeout_s)
+        self._batching = batching
+        self._batcher.max_batch_size = batching.max_batch_size
+        self._batcher.max_delay_s = batching.batch_wait_timeout_s
+        self._batcher.max_queued = batching.max_queued_images
+        self._serve_batch.set_max_batch_size(batching.max_batch_size)
+        self._serve_batch.set_batch_wait_timeout_s(batching.batch_wait_timeout_s)
         logger.info("batching: %s", batching)
 
     def info(self) -> tuple[str, str, EngineInfo]:
         return self._spec.name, self._spec.version, self._engine.info
 
-    @serve.batch(
-        max_batch_size=32,
-        batch_wait_timeout_s=0.004,
-        batch_size_fn=_images_in,
-        max_concurrent_batches=MAX_CONCURRENT_BATCHES,
-    )
-    async def _run_batch(self, items: list[_Queued]) -> list[_Ran]:
+    async def _run_engine(self, chunks: list[np.ndarray]) -> list[_Ran]:
+        """One engine batch from several requests' pixels; split back per request."""
         start = time.perf_counter()
-        pixels = np.concatenate([item.pixels for item in items])
+        pixels = np.concatenate(chunks)
         logits = await asyncio.get_running_loop().run_in_executor(
             self._executor, self._engine.infer_uint8, pixels, self._mean, self._std
         )
         inference_ms = _ms_since(start)
-        bounds = np.cumsum([0] + [len(item.pixels) for item in items])
+        bounds = np.cumsum([0] + [len(chunk) for chunk in chunks])
         return [
-            _Ran(logits[lo:hi], (start - item.enqueued) * 1000.0, inference_ms, len(pixels))
-            for item, lo, hi in zip(items, bounds[:-1], bounds[1:], strict=True)
+            _Ran(logits[lo:hi], start, inference_ms, len(pixels))
+            for lo, hi in itertools.pairwise(bounds)
         ]
 
-    async def __call__(self, pre: Preprocessed) -> Inferred:
+    @serve.batch(
+        max_batch_size=32,
+        batch_wait_timeout_s=0.0,
+        batch_size_fn=_images_in,
+        max_concurrent_batches=MAX_CONCURRENT_BATCHES,
+    )
+    async def _serve_batch(self, items: list[_Queued]) -> list[_Ran]:
+        return await self._run_engine([item.pixels for item in items])
+
+    async def _submit(self, chunk: np.ndarray) -> tuple[_Ran, float]:
+        """Run one chunk in a batch: (its result, ms it queued)."""
+        if self._batching.batcher == "serve":
+            ran = await self._serve_batch(_Queued(chunk, time.perf_counter()))
+            return ran, 0.0
+        return await self._batcher.submit(chunk)
+
+    async def __call__(self, pre: Preprocessed, top_k: int | None = None) -> Inferred | Classified:
+        """Logits for `pre`; with `top_k` (topology `fused`) postprocessed here as well."""
+        inferred = await self._infer(pre)
+        if top_k is None:
+            return inferred
+        return postprocess(inferred, top_k, self._spec.labels)
+
+    async def _infer(self, pre: Preprocessed) -> Inferred:
         if len(pre.pixels) == 0:
             logits = np.empty((0, self._spec.num_classes), np.float32)
             return Inferred(pre.count, logits, pre.indices, pre.failures, pre.timing)
@@ -178,18 +238,17 @@ class Inference:
                 f"pixels must be (N, H, W, 3) at the model's input size, got {pre.pixels.shape}"
             )
         # A request larger than one batch is split into chunks that batch independently.
-        now = time.perf_counter()
-        chunks = [
-            pre.pixels[i : i + self._max_batch] for i in range(0, len(pre.pixels), self._max_batch)
-        ]
-        ran = await asyncio.gather(*(self._run_batch(_Queued(c, now)) for c in chunks))
+        step = self._batching.max_batch_size
+        start = time.perf_counter()
+        chunks = [pre.pixels[i : i + step] for i in range(0, len(pre.pixels), step)]
+        ran = await asyncio.gather(*(self._submit(chunk) for chunk in chunks))
         timing = dataclasses.replace(
             pre.timing,
-            queue_ms=max(r.queue_ms for r in ran),
-            inference_ms=max(r.inference_ms for r in ran),
-            batch_size=max(r.batch_size for r in ran),
+            queue_ms=max((r.started - start) * 1000.0 for r, _ in ran),
+            inference_ms=max(r.inference_ms for r, _ in ran),
+            batch_size=max(r.batch_size for r, _ in ran),
         )
-        logits = np.concatenate([r.logits for r in ran])
+        logits = np.concatenate([r.logits for r, _ in ran])
         return Inferred(pre.count, logits, pre.indices, pre.failures, timing)
 
 
@@ -199,12 +258,4 @@ class Postprocess:
         self._labels = _load_model(AppConfig.model_validate(config)).spec.labels
 
     def __call__(self, inferred: Inferred, top_k: int) -> Classified:
-        start = time.perf_counter()
-        outcomes = [ImageOutcome()] * inferred.count
-        for failure in inferred.failures:
-            outcomes[failure.index] = ImageOutcome(failure=failure)
-        ranked = postprocessing.labels_for(inferred.logits, top_k, self._labels)
-        for index, labels in zip(inferred.indices, ranked, strict=True):
-            outcomes[index] = ImageOutcome(labels=labels)
-        timing = dataclasses.replace(inferred.timing, postprocess_ms=_ms_since(start))
-        return Classified(tuple(outcomes), timing)
+        return postprocess(inferred, top_k, self._labels)

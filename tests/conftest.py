@@ -64,9 +64,10 @@ def ray_cluster():
     ray.shutdown()
 
 
-@pytest.fixture(scope="session")
-def server(ray_cluster, model_repository: Path) -> str:
-    """The whole application under real Ray Serve, gRPC on a free loopback port."""
+@pytest.fixture(scope="session", params=["chained", "fused"])
+def server(request, ray_cluster, model_repository: Path) -> str:
+    """The whole application under real Ray Serve, gRPC on a free loopback port, in each
+    topology (serve_app/pipeline.py)."""
     from ray import serve
 
     from serve_app.app import build_app
@@ -78,6 +79,7 @@ def server(ray_cluster, model_repository: Path) -> str:
             "port": 0,
             "engine": {"kind": "onnxruntime"},
             "limits": {"max_images_per_request": 16},
+            "topology": request.param,
         }
     )
     handle = serve.run(app, name="raystream", route_prefix=None)
