@@ -85,8 +85,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(config, f)
-    serve_bin = Path(sys.executable).with_name("serve")
-    child = subprocess.Popen([str(serve_bin), "run", f.name])
+    # The Serve CLI through this interpreter: works in a venv and on machines where the
+    # `serve` console script is not on PATH.
+    child = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", f.name])
     address = f"{app.host}:{app.port}"
 
     async def wait_ready() -> object:

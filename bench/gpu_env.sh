@@ -1,0 +1,9 @@
+# Sourced by the GPU scripts: puts Ray Serve and the project on a GPU machine that has torch
+# but no registry access. Needs .gpu/site.tar.xz from ../shared/gpu/make_ray_bundle.sh.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/site
+[ -f /tmp/site/.unpacked ] || { tar xJf .gpu/site.tar.xz -C /tmp/site && touch /tmp/site/.unpacked; }
+export PYTHONPATH=/tmp/site:$PWD:$PWD/protos PATH=/tmp/site/bin:$PATH
+export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0
+raystream() { python3 -m clients.cli "$@"; }
