@@ -6,4 +6,5 @@ mkdir -p "$OUT" /tmp/site
 [ -f /tmp/site/.unpacked ] || { tar xJf .gpu/site.tar.xz -C /tmp/site && touch /tmp/site/.unpacked; }
 export PYTHONPATH=/tmp/site:$PWD:$PWD/protos PATH=/tmp/site/bin:$PATH
 export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0
-raystream() { python3 -m clients.cli "$@"; }
+printf '#!/bin/sh\nexec python3 -m clients.cli "$@"\n' > /tmp/site/bin/raystream
+chmod +x /tmp/site/bin/raystream

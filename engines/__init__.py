@@ -58,7 +58,9 @@ def create_engine(
     if chosen == "torch-cuda":
         from engines.torch_cuda import TorchCudaEngine
 
-        return TorchCudaEngine(model, max_batch_size=max_batch_size, precision=precision, **options)
+        return TorchCudaEngine.from_model(
+            model, max_batch_size=max_batch_size, precision=precision, **options
+        )
     if chosen == "tensorrt":
         from engines.tensorrt import TensorRTEngine
 
