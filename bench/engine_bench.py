@@ -64,7 +64,7 @@ def load_models(repository: Path) -> dict[str, callable]:
 
     def resnet() -> torch.nn.Module:
         torch.manual_seed(0)
-        return resnet50()
+        return resnet50().eval()
 
     def default() -> torch.nn.Module:
         return torch.export.load(str(resolve(repository, "efficientnet-lite0").torch_path)).module()
@@ -74,8 +74,8 @@ def load_models(repository: Path) -> dict[str, callable]:
 
 def bench_model(name: str, build, repeats: int) -> list[dict]:
     rows = []
-    fp32 = build().eval().cuda()
-    fp16 = build().eval().cuda().half().to(memory_format=torch.channels_last)
+    fp32 = build().cuda()
+    fp16 = build().cuda().half().to(memory_format=torch.channels_last)
     for b in BATCHES:
         rows.append(
             {
@@ -111,7 +111,7 @@ def bench_model(name: str, build, repeats: int) -> list[dict]:
             **options,
         )
         startup = time.perf_counter() - start
-        replay = engine._measure(repeats)
+        replay = engine.measure_replays(repeats)
         for b in BATCHES:
             rows.append(
                 {

@@ -66,25 +66,27 @@ class GraphEngine(Engine):
         with torch.inference_mode():
             for _ in range(slots):
                 self._slots.put(Slot(self))
-        latency = self._measure() if plan_by_latency else None
+        latency = self.measure_replays() if plan_by_latency else None
         self.planner = BucketPlanner(self.buckets, latency)
         return latency
 
-    def _measure(self, repeats: int = 20) -> dict[int, float]:
+    def measure_replays(self, repeats: int = 20) -> dict[int, float]:
         """Median replay time of each bucket's graph (CUDA events), for the planner."""
         slot = self._slots.queue[0]
         latency = {}
-        for bucket, graph in slot.graphs.items():
-            times = []
-            for _ in range(repeats):
-                begin = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                begin.record(slot.stream)
-                graph.graph.replay()
-                end.record(slot.stream)
-                end.synchronize()
-                times.append(begin.elapsed_time(end))
-            latency[bucket] = float(np.median(times))
+        # replay() launches on the current stream: make it the slot's, as serving does.
+        with torch.cuda.stream(slot.stream):
+            for bucket, graph in slot.graphs.items():
+                times = []
+                for _ in range(repeats):
+                    begin = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    begin.record()
+                    graph.graph.replay()
+                    end.record()
+                    end.synchronize()
+                    times.append(begin.elapsed_time(end))
+                latency[bucket] = float(np.median(times))
         return latency
 
     @contextmanager

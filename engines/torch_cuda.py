@@ -25,6 +25,9 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class TorchCudaEngine(GraphEngine):
+    """`module` must already be in inference mode: `.eval()` for an nn.Module; a torch.export
+    program's module is (and refuses `.eval()`)."""
+
     def __init__(
         self,
         module: torch.nn.Module,
@@ -58,9 +61,7 @@ class TorchCudaEngine(GraphEngine):
             device=str(self.device),
         )
         torch.backends.cudnn.benchmark = True
-        self._module = (
-            module.eval().to(self.device, self.dtype).to(memory_format=torch.channels_last)
-        )
+        self._module = module.to(self.device, self.dtype).to(memory_format=torch.channels_last)
         self._compiled = (
             torch.compile(self._module, dynamic=False) if compile_min_batch is not None else None
         )
