@@ -78,6 +78,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         overrides["engine"] = {"kind": args.engine}
     if args.topology:
         overrides["topology"] = args.topology
+    if args.decode:
+        overrides["decode"] = args.decode
     config, app = _serve_config(args.config, overrides)
     try:
         resolve(app.model_repository, app.model, app.model_version)
@@ -323,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=["auto", "onnxruntime", "torch-cuda", "tensorrt", "echo"])
     p.add_argument("--model-repository", help="model repository directory")
     p.add_argument("--topology", choices=["chained", "fused"], help="see README, Architecture")
+    p.add_argument("--decode", choices=["cpu", "gpu"], help="where JPEGs are decoded")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(

@@ -44,6 +44,9 @@ class AppConfig(_Strict):
     # chained: Ingress -> Preprocess -> Inference -> Postprocess deployments (3 Ray calls per
     # request); fused: decode in the ingress, postprocess in Inference (1 call). pipeline.py.
     topology: Literal["chained", "fused"] = "chained"
+    # cpu: PIL decodes every image. gpu: JPEGs are decoded by nvJPEG in the inference replica
+    # (needs torchvision and a GPU there); the CPU stage only checks headers.
+    decode: Literal["cpu", "gpu"] = "cpu"
 
     @model_validator(mode="after")
     def _absolute_repository(self) -> AppConfig:

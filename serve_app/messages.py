@@ -36,6 +36,9 @@ class Preprocessed:
     indices: tuple[int, ...]  # request position of each row of `pixels`
     failures: tuple[ImageFailure, ...]
     timing: StageTiming = field(default_factory=StageTiming)
+    # decode: gpu: JPEGs whose headers passed the checks, still encoded, and their positions
+    jpegs: tuple[bytes, ...] = ()
+    jpeg_indices: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,9 @@ class DecodeLimits:
     max_pixels: int = 40_000_000  # width * height, checked before decoding
 
 
-def decode(data: bytes, spec: PreprocessSpec, limits: DecodeLimits = DecodeLimits()) -> np.ndarray:
-    """Encoded image bytes -> uint8 (H, W, 3) crop; raises InvalidImage naming the problem."""
+def open_checked(data: bytes, limits: DecodeLimits = DecodeLimits()) -> Image.Image:
+    """Parse the header only and enforce the limits: size in bytes, format, pixel count
+    (before any pixel is decoded). Raises InvalidImage naming the problem."""
     if not data:
         raise InvalidImage("image is empty (0 bytes)")
     if len(data) > limits.max_image_bytes:
@@ -50,20 +51,35 @@ def decode(data: bytes, spec: PreprocessSpec, limits: DecodeLimits = DecodeLimit
         ) from None
     except Image.DecompressionBombError as exc:
         raise InvalidImage(f"image declares too many pixels: {exc}") from None
-    with image:
-        if image.format not in ALLOWED_FORMATS:
-            raise InvalidImage(
-                f"image format {image.format} is not supported "
-                f"(supported: {', '.join(sorted(ALLOWED_FORMATS))})"
-            )
-        width, height = image.size
-        if width * height > limits.max_pixels:
-            raise InvalidImage(
-                f"image is {width}x{height} = {width * height} pixels, over the "
-                f"limit of {limits.max_pixels} pixels"
-            )
-        if width == 0 or height == 0:
-            raise InvalidImage(f"image has no pixels ({width}x{height})")
+    if image.format not in ALLOWED_FORMATS:
+        image.close()
+        raise InvalidImage(
+            f"image format {image.format} is not supported "
+            f"(supported: {', '.join(sorted(ALLOWED_FORMATS))})"
+        )
+    width, height = image.size
+    if width * height > limits.max_pixels or width == 0 or height == 0:
+        image.close()
+        raise InvalidImage(
+            f"image is {width}x{height} = {width * height} pixels; allowed 1.."
+            f"{limits.max_pixels} pixels"
+        )
+    return image
+
+
+def gpu_decodable(image: Image.Image) -> bool:
+    """A baseline RGB or grayscale JPEG with no EXIF rotation: nvJPEG decodes it to the same
+    pixels the CPU path would see. Everything else stays on the CPU path."""
+    return (
+        image.format == "JPEG"
+        and image.mode in ("RGB", "L")
+        and image.getexif().get(0x0112, 1) == 1
+    )
+
+
+def decode(data: bytes, spec: PreprocessSpec, limits: DecodeLimits = DecodeLimits()) -> np.ndarray:
+    """Encoded image bytes -> uint8 (H, W, 3) crop; raises InvalidImage naming the problem."""
+    with open_checked(data, limits) as image:
         try:
             if image.format in ("JPEG", "MPO"):
                 image.draft("RGB", (spec.resize_size, spec.resize_size))

@@ -44,20 +44,29 @@ def _load_model(config: AppConfig) -> ModelRef:
     return resolve(config.model_repository, config.model, config.model_version)
 
 
+_GPU = object()  # marks an image left encoded for the GPU decoder
+
+
 class Preprocessor:
     """Decodes a request's images in a thread pool (PIL releases the GIL while decoding).
 
     Hosted by the Preprocess deployment (topology `chained`) or inside the ingress replica
-    (topology `fused`)."""
+    (topology `fused`). With `decode: gpu` it only checks the headers of the JPEGs that nvJPEG
+    can take and passes them on encoded (serve_app/gpu_decode.py)."""
 
     def __init__(self, config: AppConfig) -> None:
         self._spec = _load_model(config).spec.preprocess
         limits = config.limits
         self._limits = preprocessing.DecodeLimits(limits.max_image_bytes, limits.max_image_pixels)
+        self._gpu = config.decode == "gpu"
         self._pool = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="decode")
 
-    def _decode(self, data: bytes) -> np.ndarray | ImageFailure:
+    def _decode(self, data: bytes) -> np.ndarray | ImageFailure | object:
         try:
+            if self._gpu:
+                with preprocessing.open_checked(data, self._limits) as image:
+                    if preprocessing.gpu_decodable(image):
+                        return _GPU
             return preprocessing.decode(data, self._spec, self._limits)
         except InvalidImage as exc:
             return ImageFailure(-1, int(exc.code), str(exc))
@@ -78,12 +87,15 @@ class Preprocessor:
             for i, d in enumerate(decoded)
             if isinstance(d, ImageFailure)
         )
+        jpeg_indices = tuple(i for i, d in enumerate(decoded) if d is _GPU)
         return Preprocessed(
             count=len(images),
             pixels=pixels,
             indices=tuple(ok),
             failures=failures,
             timing=StageTiming(preprocess_ms=_ms_since(start)),
+            jpegs=tuple(images[i] for i in jpeg_indices),
+            jpeg_indices=jpeg_indices,
         )
 
 
@@ -164,6 +176,17 @@ class Inference:
         # a GPU engine overlaps two (its slots).
         workers = 1 if self._engine.info.device == "cpu" else MAX_CONCURRENT_BATCHES
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="engine")
+        self._gpu_decoder = None
+        if config.decode == "gpu":
+            from serve_app.gpu_decode import GpuJpegDecoder
+
+            self._decode_executor = ThreadPoolExecutor(4, thread_name_prefix="nvjpeg")
+            self._gpu_decoder = GpuJpegDecoder(
+                model.spec.preprocess,
+                preprocessing.DecodeLimits(
+                    config.limits.max_image_bytes, config.limits.max_image_pixels
+                ),
+            )
         self._batching = BatchingConfig()
         self._batcher = DynamicBatcher(
             self._run_engine,
@@ -229,7 +252,43 @@ class Inference:
             return inferred
         return postprocess(inferred, top_k, self._spec.labels)
 
+    async def _decode_jpegs(self, pre: Preprocessed) -> Preprocessed:
+        """decode: gpu: turn the request's encoded JPEGs into crops beside its other pixels."""
+        start = time.perf_counter()
+        crops = await asyncio.get_running_loop().run_in_executor(
+            self._decode_executor, self._gpu_decoder.crops, list(pre.jpegs)
+        )
+        good = [
+            (i, c)
+            for i, c in zip(pre.jpeg_indices, crops, strict=True)
+            if isinstance(c, np.ndarray)
+        ]
+        bad = tuple(
+            ImageFailure(i, int(c.code), str(c))
+            for i, c in zip(pre.jpeg_indices, crops, strict=True)
+            if not isinstance(c, np.ndarray)
+        )
+        pixels = np.concatenate([pre.pixels, *(c[None] for _, c in good)])
+        timing = dataclasses.replace(
+            pre.timing, preprocess_ms=pre.timing.preprocess_ms + _ms_since(start)
+        )
+        return dataclasses.replace(
+            pre,
+            pixels=pixels,
+            indices=pre.indices + tuple(i for i, _ in good),
+            failures=pre.failures + bad,
+            timing=timing,
+            jpegs=(),
+            jpeg_indices=(),
+        )
+
     async def _infer(self, pre: Preprocessed) -> Inferred:
+        if pre.jpegs:
+            if self._gpu_decoder is None:
+                raise InvalidArgument(
+                    "encoded JPEGs reached an inference replica without decode: gpu"
+                )
+            pre = await self._decode_jpegs(pre)
         if len(pre.pixels) == 0:
             logits = np.empty((0, self._spec.num_classes), np.float32)
             return Inferred(pre.count, logits, pre.indices, pre.failures, pre.timing)

@@ -24,12 +24,18 @@ ENGINES = [
         id="torch-cuda-fp16",
         marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")],
     ),
+    # BF16 keeps 8 bits of mantissa: on the H200 (2026-11-30) EfficientNet-Lite0 reached a max
+    # |softmax diff| of 2.3e-2 against FP32, over the 1e-2 bound. Strict: it fails if fixed.
     pytest.param(
         "torch-cuda",
         "bf16",
         1e-2,
         id="torch-cuda-bf16",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")],
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU"),
+            pytest.mark.xfail(strict=True, reason="BF16 exceeds the 1e-2 softmax bound (2.3e-2)"),
+        ],
     ),
     pytest.param(
         "tensorrt",

@@ -1,0 +1,64 @@
+"""JPEG decode, resize and center-crop on the GPU (batched nvJPEG through torchvision).
+
+PIL on 16 cores caps near 7,000 small photos/s (../shared/FINDINGS.md) while batched nvJPEG
+decodes 35,000/s on the same box. With `decode: gpu`, the CPU stage only parses headers and
+enforces the limits (serve_app/preprocessing.open_checked); JPEGs that `gpu_decodable()`
+accepts travel as bytes to the inference replica, which decodes them here. Anything nvJPEG
+rejects is decoded again on the CPU, so its error message is the CPU path's.
+
+Resizing uses bilinear interpolation with antialiasing, as PIL does; results match the CPU
+path to within a few grey levels, not bit for bit (tests/test_gpu_decode.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engines.repository import PreprocessSpec
+from serve_app.errors import InvalidImage
+from serve_app.preprocessing import DecodeLimits, decode
+
+
+class GpuJpegDecoder:
+    def __init__(self, spec: PreprocessSpec, limits: DecodeLimits, device: str = "cuda") -> None:
+        from torchvision.io import ImageReadMode, decode_jpeg  # GPU machines only
+
+        self._decode_jpeg, self._mode = decode_jpeg, ImageReadMode.RGB
+        self._spec, self._limits, self._device = spec, limits, torch.device(device)
+
+    def crops(self, jpegs: list[bytes]) -> list[np.ndarray | InvalidImage]:
+        """uint8 (H, W, 3) crops in host memory, or the InvalidImage for each JPEG."""
+        data = [torch.frombuffer(bytearray(j), dtype=torch.uint8) for j in jpegs]
+        try:
+            images = self._decode_jpeg(data, mode=self._mode, device=self._device)
+        except RuntimeError:
+            # One bad JPEG fails the whole batched call: decode one by one to find it.
+            return [self._one(j) for j in jpegs]
+        crops = torch.stack([self._crop(image) for image in images])
+        return list(crops.permute(0, 2, 3, 1).contiguous().cpu().numpy())
+
+    def _one(self, jpeg: bytes) -> np.ndarray | InvalidImage:
+        try:
+            return decode(jpeg, self._spec, self._limits)  # the CPU path, for its diagnosis
+        except InvalidImage as exc:
+            return exc
+
+    def _crop(self, image: torch.Tensor) -> torch.Tensor:
+        """(3, H, W) uint8 -> (3, S, S) uint8: shorter side to resize_size, center crop."""
+        spec = self._spec
+        _, height, width = image.shape
+        scale = spec.resize_size / min(width, height)
+        new_h = max(spec.input_size, round(height * scale))
+        new_w = max(spec.input_size, round(width * scale))
+        resized = F.interpolate(
+            image[None].float(),
+            size=(new_h, new_w),
+            mode="bilinear",
+            antialias=True,
+            align_corners=False,
+        )[0]
+        top, left = (new_h - spec.input_size) // 2, (new_w - spec.input_size) // 2
+        crop = resized[:, top : top + spec.input_size, left : left + spec.input_size]
+        return crop.round_().clamp_(0, 255).to(torch.uint8)
