@@ -3,7 +3,7 @@
 # the test photos through gRPC, then load-generate: saturated, and open-loop at half of it.
 source bench/gpu_env.sh
 timeout 120 raystream export --repository models --if-missing 2>&1 | tail -1
-raystream serve --config deploy/serve_config.gpu.yaml ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1 &
+raystream serve --config ${CONFIG:-deploy/serve_config.gpu.yaml} ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1 &
 for i in $(seq 150); do grep -q "raystream ready" "$OUT/serve.log" && break; sleep 1; done
 grep "raystream ready" "$OUT/serve.log" || { tail -50 "$OUT/serve.log"; exit 1; }
 mkdir -p /tmp/photos && python3 - <<'PY'
