@@ -67,12 +67,15 @@ def open_checked(data: bytes, limits: DecodeLimits = DecodeLimits()) -> Image.Im
     return image
 
 
-def gpu_decodable(image: Image.Image) -> bool:
-    """A baseline RGB or grayscale JPEG with no EXIF rotation: nvJPEG decodes it to the same
-    pixels the CPU path would see. Everything else stays on the CPU path."""
+def gpu_decodable(image: Image.Image, data: bytes) -> bool:
+    """An RGB or grayscale JPEG with no EXIF rotation that ends with its end-of-image marker:
+    nvJPEG decodes it to the pixels the CPU path would see. Everything else stays on the CPU
+    path, truncated JPEGs included: nvJPEG decodes those without an error (seen on the H200,
+    2026-11-30), PIL reports them."""
     return (
         image.format == "JPEG"
         and image.mode in ("RGB", "L")
+        and data.rstrip(b"\0\r\n ")[-2:] == b"\xff\xd9"
         and image.getexif().get(0x0112, 1) == 1
     )
 

@@ -65,7 +65,7 @@ class Preprocessor:
         try:
             if self._gpu:
                 with preprocessing.open_checked(data, self._limits) as image:
-                    if preprocessing.gpu_decodable(image):
+                    if preprocessing.gpu_decodable(image, data):
                         return _GPU
             return preprocessing.decode(data, self._spec, self._limits)
         except InvalidImage as exc:

@@ -29,11 +29,14 @@ async def test_gpu_mode_passes_plain_jpegs_on_encoded(model_repository, photos) 
     rotated = encode(
         np.asarray(Image.open(io.BytesIO(photos["coffee"]))), "JPEG", exif=exif.tobytes()
     )
-    images = [photos["chelsea"], png, b"junk", rotated, photos["coffee"]]
+    truncated = photos["chelsea"][: len(photos["chelsea"]) // 3]
+    images = [photos["chelsea"], png, b"junk", rotated, photos["coffee"], truncated]
     pre = await _preprocessor(model_repository, "gpu").run(images)
     assert pre.jpeg_indices == (0, 4) and pre.jpegs == (photos["chelsea"], photos["coffee"])
     assert pre.indices == (1, 3)  # PNG and the EXIF-rotated JPEG decode on the CPU
-    assert [f.index for f in pre.failures] == [2] and pre.failures[0].code == 3
+    # Truncated JPEGs stay on the CPU path, which reports them (nvJPEG does not).
+    assert [f.index for f in pre.failures] == [2, 5]
+    assert "truncated" in pre.failures[1].message
     cpu = await _preprocessor(model_repository, "cpu").run(images)
     assert cpu.jpegs == () and cpu.indices == (0, 1, 3, 4)
 
@@ -51,7 +54,6 @@ def test_nvjpeg_crops_match_the_cpu_path(model, photos) -> None:
         reference = decode(jpeg, spec).astype(np.int16)
         assert crop.shape == (224, 224, 3) and crop.dtype == np.uint8
         assert np.abs(crop.astype(np.int16) - reference).mean() < 3.0
-    # A bad JPEG in a batch fails alone, with the CPU path's message.
-    truncated = photos["chelsea"][: len(photos["chelsea"]) // 3]
-    good, bad = decoder.crops([jpegs[0], truncated])
-    assert isinstance(good, np.ndarray) and "truncated" in str(bad)
+    # A JPEG nvJPEG rejects fails alone, with the CPU path's message.
+    good, bad = decoder.crops([jpegs[0], b"\xff\xd8\xff\xdb" + b"\x00" * 64 + b"\xff\xd9"])
+    assert isinstance(good, np.ndarray) and isinstance(bad, Exception)
