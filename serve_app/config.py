@@ -47,6 +47,9 @@ class AppConfig(_Strict):
     # cpu: PIL decodes every image. gpu: JPEGs are decoded by nvJPEG in the inference replica
     # (needs torchvision and a GPU there); the CPU stage only checks headers.
     decode: Literal["cpu", "gpu"] = "cpu"
+    # fused: requests per Ray call to Inference, and calls in flight (micro-batching).
+    requests_per_call: int = Field(64, ge=1)
+    max_calls_in_flight: int = Field(4, ge=1)
 
     @model_validator(mode="after")
     def _absolute_repository(self) -> AppConfig:

@@ -5,8 +5,9 @@ chained  Ingress -> Preprocess -> Inference -> Postprocess: 3 Ray calls per requ
          scales on its own (many CPU decode replicas, a few GPU inference replicas, across
          nodes).
 fused    decode in the ingress replica's thread pool, postprocess in the Inference replica:
-         1 Ray call per request. Fewer hops, lower latency and CPU cost on one host; decode
-         scales with ingress threads rather than replicas.
+         at most 1 Ray call per request, and under load one call carries many requests
+         (micro-batching). Fewer hops, lower latency and CPU cost on one host; decode scales
+         with ingress threads rather than replicas.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import Protocol
 
 from ray.serve.handle import DeploymentHandle
 
+from serve_app.batching import DynamicBatcher
 from serve_app.config import AppConfig
-from serve_app.messages import Classified
+from serve_app.messages import Classified, Preprocessed
 from serve_app.stages import Preprocessor
 
 
@@ -40,10 +42,28 @@ class ChainedPipeline:
 
 
 class FusedPipeline:
+    """Decode here; send requests to Inference in micro-batches: while `max_calls` Ray calls
+    are in flight, new requests queue, and the next call carries all of them (up to
+    `requests_per_call`). A Ray call costs milliseconds of CPU whatever it carries, so under
+    load this is what keeps the serving path cheap (docs/benchmarks.md)."""
+
     def __init__(self, config: AppConfig, inference: DeploymentHandle) -> None:
         self._preprocessor = Preprocessor(config)
         self._inference = inference
+        self._calls: DynamicBatcher = DynamicBatcher(
+            self._call,
+            lambda item: 1,
+            max_batch_size=config.requests_per_call,
+            max_concurrent=config.max_calls_in_flight,
+            max_queued=1 << 20,  # bounded upstream: streams stop reading past their limit
+        )
+
+    async def _call(self, items: list[tuple[Preprocessed, int]]) -> list[Classified | Exception]:
+        return await self._inference.classify_many.remote(items)
 
     async def classify(self, images: list[bytes], top_k: int) -> Classified:
         preprocessed = await self._preprocessor.run(images)
-        return await self._inference.remote(preprocessed, top_k)
+        result, _ = await self._calls.submit((preprocessed, top_k))
+        if isinstance(result, Exception):
+            raise result
+        return result

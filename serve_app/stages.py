@@ -245,6 +245,14 @@ class Inference:
             return ran, 0.0
         return await self._batcher.submit(chunk)
 
+    async def classify_many(
+        self, items: list[tuple[Preprocessed, int]]
+    ) -> list[Classified | Exception]:
+        """Topology `fused`: many requests in one Ray call; each one's failure is its own."""
+        return await asyncio.gather(
+            *(self(pre, top_k) for pre, top_k in items), return_exceptions=True
+        )
+
     async def __call__(self, pre: Preprocessed, top_k: int | None = None) -> Inferred | Classified:
         """Logits for `pre`; with `top_k` (topology `fused`) postprocessed here as well."""
         inferred = await self._infer(pre)

@@ -1,0 +1,130 @@
+"""Pure serving overhead, in one run: the same bidi load against (1) a plain grpc.aio server
+implementing raystream.v1.ImageClassifier with no work at all, and (2) raystream on Ray Serve
+with the `echo` engine (no model) in each topology. Tiny 8x8 PNGs keep decoding out of it.
+Prints images/s for each and the ratio to the plain server.
+
+    python bench/serving_overhead.py --streams 4 --in-flight 4 --batch-size 8 --duration 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import sys
+from pathlib import Path
+
+import grpc
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from clients.loadgen import Workload, run_load
+from raystream.v1 import classifier_pb2 as pb
+from raystream.v1 import classifier_pb2_grpc as pb_grpc
+
+
+class PlainEcho(pb_grpc.ImageClassifierServicer):
+    """The floor: the same protocol, one fixed label per image, no Ray, no decoding."""
+
+    def _answer(self, request: pb.ClassifyRequest) -> pb.ClassifyResponse:
+        response = pb.ClassifyResponse(request_id=request.request_id)
+        for _ in request.images:
+            response.results.add().labels.add(class_id=0, name="tench", score=1.0)
+        return response
+
+    async def Classify(self, request_iterator, context):
+        async for request in request_iterator:
+            yield self._answer(request)
+
+    async def ClassifyOnce(self, request, context):
+        return self._answer(request)
+
+    async def GetModelInfo(self, request, context):
+        return pb.ModelInfo(name="echo")
+
+
+def tiny_png() -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((8, 8, 3), 128, np.uint8)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+async def plain_server_rate(workload: Workload) -> dict:
+    server = grpc.aio.server()
+    pb_grpc.add_ImageClassifierServicer_to_server(PlainEcho(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        return vars(await run_load(f"127.0.0.1:{port}", workload))
+    finally:
+        await server.stop(0)
+
+
+def raystream_rate(workload: Workload, topology: str, repository: Path) -> dict:
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    app = build_app(
+        {
+            "model_repository": str(repository),
+            "port": 0,
+            "topology": topology,
+            "engine": {"kind": "echo"},
+        }
+    )
+    handle = serve.run(app, name="raystream", route_prefix=None)
+    port = handle.port.remote().result()
+    try:
+        return vars(asyncio.run(run_load(f"127.0.0.1:{port}", workload)))
+    finally:
+        serve.delete("raystream")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--in-flight", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--duration", type=float, default=15.0)
+    parser.add_argument("--repository", type=Path, default=Path("models"))
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    workload = Workload(
+        images=(tiny_png(),),
+        batch_size=args.batch_size,
+        streams=args.streams,
+        in_flight=args.in_flight,
+        duration_s=args.duration,
+    )
+    import ray
+    from ray import serve
+
+    results = {"plain grpc.aio": asyncio.run(plain_server_rate(workload))}
+    ray.init(include_dashboard=False, log_to_driver=False)
+    serve.start(proxy_location="Disabled")
+    for topology in ("fused", "chained"):
+        results[f"raystream {topology}, echo engine"] = raystream_rate(
+            workload, topology, args.repository
+        )
+    serve.shutdown()
+    ray.shutdown()
+    base = results["plain grpc.aio"]["images_per_s"]
+    print(
+        f"{args.streams} streams x {args.in_flight} in flight, {args.batch_size} images "
+        f"(8x8 PNG) per request, {args.duration:.0f} s each"
+    )
+    for name, r in results.items():
+        print(
+            f"{name:<32} {r['images_per_s']:9.1f} img/s  {r['requests_per_s']:8.1f} req/s  "
+            f"p50 {r['latency_ms']['p50']:7.2f} ms  ratio {r['images_per_s'] / base:5.2f}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
