@@ -183,3 +183,22 @@ def test_cli_reports_a_server_that_is_down() -> None:
     result = _cli("info", "--server", "127.0.0.1:1", "--timeout", "2")
     assert result.returncode == 2
     assert "cannot reach the server" in result.stderr and "Traceback" not in result.stderr
+
+
+async def test_load_generator_reports_what_it_sent(server, photos, tmp_path: Path) -> None:
+    from clients.loadgen import Workload, plot_sweep, run_load
+
+    workload = Workload(
+        images=tuple(photos.values()),
+        batch_size=2,
+        streams=2,
+        in_flight=2,
+        duration_s=30,
+        max_requests=5,
+    )
+    report = await run_load(server, workload)
+    assert report.requests == 10 and not report.errors
+    assert report.images_per_s > 0 and report.mean_batch_size >= 2
+    assert report.latency_ms["p50"] <= report.latency_ms["p99"] <= report.latency_ms["max"]
+    plot_sweep([report, report], tmp_path / "sweep.png", "test")
+    assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
