@@ -27,7 +27,9 @@ def test_crop_geometry_matches_reference() -> None:
     resized = np.asarray(Image.fromarray(image).resize((341, 256), Image.Resampling.BILINEAR))
     expected = resized[16:240, 58:282]  # (256 - 224) // 2 = 16, (341 - 224) // 2 = 58
     assert got.shape == (224, 224, 3) and got.dtype == np.uint8
-    np.testing.assert_array_equal(got, expected)
+    # crop_to_input resizes only the crop's box: the same pixels to within one grey level.
+    np.testing.assert_allclose(got.astype(int), expected.astype(int), atol=1)
+    assert (got != expected).mean() < 0.01
 
 
 def test_crop_keeps_the_center() -> None:
