@@ -1,0 +1,45 @@
+"""Deployment files are valid: the cluster launcher config by Ray's own validation, the Serve
+configs by Serve's schema and by raystream's AppConfig."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from serve_app.config import AppConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVE_CONFIGS = sorted((ROOT / "deploy").glob("serve_config*.yaml"))
+
+
+def test_ray_cluster_yaml_passes_rays_validation() -> None:
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = yaml.safe_load((ROOT / "ray_cluster.yaml").read_text())
+    validate_config(prepare_config(config))
+    types = config["available_node_types"]
+    assert config["head_node_type"] in types and "gpu_inference" in types
+
+
+@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
+def test_serve_configs_are_valid(path: Path) -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    config = yaml.safe_load(path.read_text())
+    ServeDeploySchema.model_validate(config)
+    app = config["applications"][0]
+    AppConfig.model_validate(app["args"])
+    names = {d["name"] for d in app.get("deployments", [])}
+    expected = {"Ingress", "Inference"}
+    if app["args"].get("topology", "chained") == "chained":
+        expected |= {"Preprocess", "Postprocess"}
+    assert names <= expected, f"{path.name} configures deployments its topology lacks"
+
+
+def test_config_errors_name_the_field() -> None:
+    with pytest.raises(ValueError, match="port"):
+        AppConfig.model_validate({"port": 70000})
+    with pytest.raises(ValueError, match="kind"):
+        AppConfig.model_validate({"engine": {"kind": "tensorflow"}})
+    with pytest.raises(ValueError, match="Extra inputs"):
+        AppConfig.model_validate({"prot": 9000})
