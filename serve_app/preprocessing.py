@@ -51,6 +51,8 @@ def open_checked(data: bytes, limits: DecodeLimits = DecodeLimits()) -> Image.Im
         ) from None
     except Image.DecompressionBombError as exc:
         raise InvalidImage(f"image declares too many pixels: {exc}") from None
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:  # found by the fuzz test
+        raise InvalidImage(f"image header is corrupt or truncated: {exc}") from None
     if image.format not in ALLOWED_FORMATS:
         image.close()
         raise InvalidImage(
@@ -89,7 +91,7 @@ def decode(data: bytes, spec: PreprocessSpec, limits: DecodeLimits = DecodeLimit
             image.load()  # first frame only for multi-frame images
             ImageOps.exif_transpose(image, in_place=True)
             return crop_to_input(_to_rgb(image), spec)
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as exc:
             raise InvalidImage(
                 f"{image.format} image data is corrupt or truncated: {exc}"
             ) from None

@@ -8,6 +8,8 @@ import zlib
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from engines.repository import PreprocessSpec
@@ -116,3 +118,26 @@ def test_truncated_or_corrupt_jpeg_is_invalid(photos: dict[str, bytes]) -> None:
 def test_size_limit() -> None:
     with pytest.raises(InvalidImage, match="over the limit of 100 bytes"):
         decode(b"x" * 101, SPEC, DecodeLimits(max_image_bytes=100))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.binary(max_size=4096), cut=st.integers(0, 20000), flip=st.integers(0, 255))
+def test_no_input_escapes_the_error_policy(photos_for_fuzz, data, cut, flip) -> None:
+    """Fuzz: random bytes, and real JPEG/PNG bytes cut short or with one byte changed, either
+    decode to a crop or raise InvalidImage (code 3): never another exception."""
+    jpeg, png = photos_for_fuzz
+    corrupted = bytearray(jpeg)
+    corrupted[min(cut, len(corrupted) - 1)] = flip
+    for candidate in (data, jpeg[:cut], png[:cut], bytes(corrupted), png[:8] + data):
+        try:
+            crop = decode(candidate, SPEC)
+        except InvalidImage as exc:
+            assert exc.code == 3 and str(exc)
+        else:
+            assert crop.shape == (224, 224, 3) and crop.dtype == np.uint8
+
+
+@pytest.fixture(scope="module")
+def photos_for_fuzz() -> tuple[bytes, bytes]:
+    small = np.asarray(Image.new("RGB", (64, 48), (200, 30, 90)))
+    return encode(small, "JPEG"), encode(small, "PNG")

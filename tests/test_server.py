@@ -202,3 +202,19 @@ async def test_load_generator_reports_what_it_sent(server, photos, tmp_path: Pat
     assert report.latency_ms["p50"] <= report.latency_ms["p99"] <= report.latency_ms["max"]
     plot_sweep([report, report], tmp_path / "sweep.png", "test")
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+
+async def test_health_and_reflection(server) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    async with grpc.aio.insecure_channel(server) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", "raystream.v1.ImageClassifier"):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=name))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        async for reply in stub.ServerReflectionInfo(iter([request])):
+            names = {s.name for s in reply.list_services_response.service}
+            assert {"raystream.v1.ImageClassifier", "grpc.health.v1.Health"} <= names
