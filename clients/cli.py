@@ -150,7 +150,7 @@ async def _classify(args: argparse.Namespace) -> int:
         total=len(paths), unit="img", disable=not sys.stderr.isatty() or args.json, file=sys.stderr
     )
     rows = []
-    async with Client(args.server, timeout=args.timeout) as client:
+    async with Client(args.server, timeout=args.timeout, **_connection(args)) as client:
         async for result in client.classify(paths, batch_size=args.batch_size, top_k=args.top_k):
             progress.update(1)
             failed += not result.ok
@@ -204,7 +204,7 @@ async def _info(args: argparse.Namespace) -> int:
 
     from clients.client import Client
 
-    async with Client(args.server) as client:
+    async with Client(args.server, **_connection(args)) as client:
         info = await client.model_info(args.model, timeout=args.timeout)
     print(json.dumps(MessageToDict(info, always_print_fields_with_no_presence=True), indent=2))
     return 0
@@ -253,7 +253,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         loads = [base]
     reports = []
     for load in loads:
-        report = asyncio.run(loadgen.run_load(args.server, load))
+        report = asyncio.run(loadgen.run_load(args.server, load, **_connection(args)))
         label = (
             f"rate {load.rate:.0f}/s" if load.rate else f"{load.streams} streams x {load.in_flight}"
         )
@@ -304,6 +304,23 @@ def cmd_build_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _connection(args: argparse.Namespace) -> dict:
+    """TLS and token options for Client; the token may also come from RAYSTREAM_TOKEN."""
+    return {
+        "token": args.token or os.environ.get("RAYSTREAM_TOKEN"),
+        "tls_ca": args.tls_ca,
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+    }
+
+
+def _add_connection_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token", help="bearer token (default: $RAYSTREAM_TOKEN)")
+    p.add_argument("--tls-ca", help="connect with TLS, trusting this CA certificate (PEM)")
+    p.add_argument("--tls-cert", help="client certificate (PEM) for mutual TLS")
+    p.add_argument("--tls-key", help="client private key (PEM) for mutual TLS")
+
+
 # -- entry point ---------------------------------------------------------------------------
 
 
@@ -340,12 +357,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16, help="images per request")
     p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     p.add_argument("--timeout", type=float, default=None, help="stream deadline in seconds")
+    _add_connection_options(p)
     p.set_defaults(func=cmd_classify)
 
     p = sub.add_parser("info", help="show the served model (GetModelInfo)")
     p.add_argument("--server", default=DEFAULT_SERVER, help="host:port (default %(default)s)")
     p.add_argument("--model", default="", help="model name to ask about")
     p.add_argument("--timeout", type=float, default=10.0)
+    _add_connection_options(p)
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser(
@@ -395,6 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="efficientnet-lite0")
     p.add_argument("--engine", default="auto", help="engine for --baseline")
     p.add_argument("--threads", type=int, default=2, help="decode threads for --baseline")
+    _add_connection_options(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser(

@@ -65,9 +65,24 @@ class Client:
         *,
         timeout: float | None = None,
         max_message_bytes: int = 64 * 1024 * 1024,
+        token: str | None = None,
+        tls_ca: str | Path | None = None,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
     ) -> None:
+        """`token`: sent as `authorization: Bearer <token>`. `tls_ca`: connect with TLS,
+        trusting this CA (PEM file); `tls_cert`/`tls_key`: a client certificate (mTLS)."""
         self.address = address
         self._timeout = timeout
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._credentials = None
+        if tls_ca or tls_cert:
+            read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
+            self._credentials = grpc.ssl_channel_credentials(
+                root_certificates=read(tls_ca),
+                private_key=read(tls_key),
+                certificate_chain=read(tls_cert),
+            )
         self._options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -76,7 +91,12 @@ class Client:
         self._ids = itertools.count()
 
     async def __aenter__(self) -> Client:
-        self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
+        if self._credentials is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
+        else:
+            self._channel = grpc.aio.secure_channel(
+                self.address, self._credentials, options=self._options
+            )
         self.stub = pb_grpc.ImageClassifierStub(self._channel)
         return self
 
@@ -104,22 +124,29 @@ class Client:
 
     async def model_info(self, model: str = "", *, timeout: float | None = None) -> pb.ModelInfo:
         return await self.stub.GetModelInfo(
-            pb.ModelInfoRequest(model=model), timeout=timeout or self._timeout
+            pb.ModelInfoRequest(model=model),
+            timeout=timeout or self._timeout,
+            metadata=self._metadata,
         )
 
     async def classify_once(
-        self, images: list[bytes], *, top_k: int = 5, model: str = ""
+        self, images: list[bytes] | pb.ClassifyRequest, *, top_k: int = 5, model: str = ""
     ) -> pb.ClassifyResponse:
-        request = pb.ClassifyRequest(
-            request_id=str(next(self._ids)), images=images, top_k=top_k, model=model
+        """Unary call on `images` (or on a ready-made request)."""
+        request = (
+            images
+            if isinstance(images, pb.ClassifyRequest)
+            else pb.ClassifyRequest(
+                request_id=str(next(self._ids)), images=images, top_k=top_k, model=model
+            )
         )
-        return await self.stub.ClassifyOnce(request, timeout=self._timeout)
+        return await self.stub.ClassifyOnce(request, timeout=self._timeout, metadata=self._metadata)
 
     async def stream(
         self, requests: AsyncIterable[pb.ClassifyRequest] | Iterable[pb.ClassifyRequest]
     ) -> AsyncIterator[pb.ClassifyResponse]:
         """The raw bidi stream: send requests, receive responses (in completion order)."""
-        call = self.stub.Classify(requests, timeout=self._timeout)
+        call = self.stub.Classify(requests, timeout=self._timeout, metadata=self._metadata)
         async for response in call:
             yield response
 

@@ -160,7 +160,7 @@ async def _one_stream(
 
         async def worker() -> None:
             async for request in requests:
-                response = await client.stub.ClassifyOnce(request)
+                response = await client.classify_once(request)
                 recorder.record(sent.pop(request.request_id), response)
                 if slots:
                     slots.release()
@@ -173,9 +173,10 @@ async def _one_stream(
             slots.release()
 
 
-async def run_load(address: str, workload: Workload) -> Report:
+async def run_load(address: str, workload: Workload, **client_options: object) -> Report:
+    """Run `workload` against `address`; `client_options` go to Client (token, TLS)."""
     recorder = _Recorder()
-    async with Client(address) as client:
+    async with Client(address, **client_options) as client:
         await client.wait_ready(timeout=30)
         start = time.perf_counter()
         deadline = start + workload.duration_s

@@ -32,6 +32,26 @@ class LimitsConfig(_Strict):
     max_in_flight_per_stream: int = Field(64, ge=1)  # more are not read until one finishes
 
 
+class SecurityConfig(_Strict):
+    """TLS and token authentication for the gRPC ingress (README: Deploying safely)."""
+
+    tls_cert: Path | None = None  # PEM certificate chain of the server
+    tls_key: Path | None = None  # PEM private key of the server
+    tls_client_ca: Path | None = None  # if set, clients must present a certificate it signed
+    auth_token_file: Path | None = None  # if set, calls need "authorization: Bearer <token>"
+
+    @model_validator(mode="after")
+    def _pairs(self) -> SecurityConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be set together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key")
+        for path in (self.tls_cert, self.tls_key, self.tls_client_ca, self.auth_token_file):
+            if path is not None and not path.is_file():
+                raise ValueError(f"{path} does not exist")
+        return self
+
+
 class AppConfig(_Strict):
     host: str = "127.0.0.1"  # loopback by default: binding elsewhere is a deliberate choice
     port: int = Field(9000, ge=0, le=65535)  # 0 picks a free port (tests)
@@ -40,6 +60,7 @@ class AppConfig(_Strict):
     model_version: str = ""  # empty: the highest version in the repository
     engine: EngineConfig = EngineConfig()
     limits: LimitsConfig = LimitsConfig()
+    security: SecurityConfig = SecurityConfig()
     preprocess_threads: int = Field(2, ge=1, le=64)  # PIL releases the GIL while decoding
     # chained: Ingress -> Preprocess -> Inference -> Postprocess deployments (3 Ray calls per
     # request); fused: decode in the ingress, postprocess in Inference (1 call). pipeline.py.

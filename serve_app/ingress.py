@@ -11,6 +11,7 @@ This is the only module that imports grpc and turns errors into status codes.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 
@@ -23,7 +24,7 @@ from ray.serve.handle import DeploymentHandle
 from engines import EngineInfo
 from raystream.v1 import classifier_pb2 as pb
 from raystream.v1 import classifier_pb2_grpc as pb_grpc
-from serve_app.config import AppConfig
+from serve_app.config import AppConfig, SecurityConfig
 from serve_app.errors import (
     DuplicateRequest,
     InvalidArgument,
@@ -50,6 +51,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         self._config = config
         self._name, self._version, self._engine = model
         self._pipeline = pipeline
+        self.requests_started = 0
 
     # -- request validation -------------------------------------------------------------
 
@@ -84,6 +86,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         """Exactly one response per request: the result, or the error that says why not."""
         start = time.perf_counter()
         response = pb.ClassifyResponse(request_id=request.request_id)
+        self.requests_started += 1
         try:
             if request.images:
                 _fill(response, await self._classify(request))
@@ -195,6 +198,62 @@ def _fill(response: pb.ClassifyResponse, classified: Classified) -> None:
     response.timing.batch_size = t.batch_size
 
 
+def _server_credentials(security: SecurityConfig) -> grpc.ServerCredentials | None:
+    if security.tls_cert is None:
+        return None
+    ca = security.tls_client_ca.read_bytes() if security.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(security.tls_key.read_bytes(), security.tls_cert.read_bytes())],
+        root_certificates=ca,
+        require_client_auth=ca is not None,
+    )
+
+
+class TokenAuth(grpc.aio.ServerInterceptor):
+    """Checks `authorization: Bearer <token>` before any handler runs; health checks and
+    reflection stay open so load balancers and tools can probe."""
+
+    OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("auth_token_file is empty")
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(self.OPEN_PREFIXES):
+            return handler
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(str(given).encode(), self._expected):
+            return handler
+        return _deny(handler)
+
+
+def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same shape that answers UNAUTHENTICATED and runs nothing."""
+    message = "missing or wrong bearer token in the 'authorization' metadata"
+
+    async def unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def streaming(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # unreachable: makes this an async generator, as streaming handlers are
+
+    kind = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(handler.request_streaming, handler.response_streaming)]
+    return kind(
+        streaming if handler.response_streaming else unary,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=8)
 class Ingress:
     """Starts the gRPC server in this replica; it serves until the replica stops."""
@@ -214,22 +273,31 @@ class Ingress:
         else:
             pipeline = FusedPipeline(self._config, inference)
         limits = self._config.limits
+        security = self._config.security
+        interceptors = []
+        if security.auth_token_file is not None:
+            interceptors.append(TokenAuth(security.auth_token_file.read_text().strip()))
         self._server = grpc.aio.server(
+            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", limits.max_message_bytes),
                 ("grpc.max_send_message_length", limits.max_message_bytes),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
-        service = ClassifierService(self._config, model, pipeline)
-        pb_grpc.add_ImageClassifierServicer_to_server(service, self._server)
+        self._service = ClassifierService(self._config, model, pipeline)
+        pb_grpc.add_ImageClassifierServicer_to_server(self._service, self._server)
         # grpc.health.v1 (SERVING: the engine was warmed before Inference reported ready)
         # and server reflection, so grpcurl-style tools list and call the services.
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection((*SERVICE_NAMES, reflection.SERVICE_NAME), self._server)
         address = f"{self._config.host}:{self._config.port}"
-        self._port = self._server.add_insecure_port(address)
+        credentials = _server_credentials(self._config.security)
+        if credentials is None:
+            self._port = self._server.add_insecure_port(address)
+        else:
+            self._port = self._server.add_secure_port(address, credentials)
         if self._port == 0:
             raise RuntimeError(f"cannot bind gRPC to {address}: is the port in use?")
         await self._server.start()
@@ -248,6 +316,10 @@ class Ingress:
 
     def port(self) -> int:
         return self._port
+
+    def requests_started(self) -> int:
+        """Requests that reached the pipeline (tests: rejected calls must not count)."""
+        return self._service.requests_started
 
     async def __del__(self) -> None:
         # Ray Serve calls __del__ when it stops a replica: report NOT_SERVING so balancers

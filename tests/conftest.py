@@ -55,7 +55,7 @@ def ray_cluster():
     import ray
 
     ray.init(
-        num_cpus=2,
+        num_cpus=4,  # logical: the plain and the secured test apps fit side by side
         include_dashboard=False,
         log_to_driver=False,
         runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}},

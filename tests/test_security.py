@@ -1,0 +1,144 @@
+"""TLS (with client certificates) and token auth on a real ingress: certificates made here,
+the app under real Ray Serve. The engine is `echo`: this test is about transport."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from clients.client import Client
+
+pytestmark = pytest.mark.slow
+TOKEN = "s3cret-token"
+
+
+def _issue(name: str, issuer_key, issuer_name, *, ca: bool, key=None):
+    key = key or ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer_name or subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if not ca:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+    cert = builder.sign(issuer_key or key, hashes.SHA256())
+    return key, cert
+
+
+def _write(path: Path, key, cert) -> tuple[Path, Path]:
+    key_path, cert_path = path.with_suffix(".key"), path.with_suffix(".pem")
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return key_path, cert_path
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("pki")
+    ca_key, ca_cert = _issue("raystream test CA", None, None, ca=True)
+    server_key, server_cert = _issue("localhost", ca_key, ca_cert.subject, ca=False)
+    client_key, client_cert = _issue("client", ca_key, ca_cert.subject, ca=False)
+    _, ca_path = _write(root / "ca", ca_key, ca_cert)
+    server_key_path, server_cert_path = _write(root / "server", server_key, server_cert)
+    client_key_path, client_cert_path = _write(root / "client", client_key, client_cert)
+    (root / "token").write_text(TOKEN + "\n")
+    return {
+        "ca": ca_path,
+        "server_key": server_key_path,
+        "server_cert": server_cert_path,
+        "client_key": client_key_path,
+        "client_cert": client_cert_path,
+        "token": root / "token",
+    }
+
+
+@pytest.fixture(scope="module")
+def secure_server(ray_cluster, model_repository, pki):
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    serve.start(proxy_location="Disabled")
+    app = build_app(
+        {
+            "model_repository": str(model_repository),
+            "port": 0,
+            "topology": "fused",
+            "engine": {"kind": "echo"},
+            "security": {
+                "tls_cert": str(pki["server_cert"]),
+                "tls_key": str(pki["server_key"]),
+                "tls_client_ca": str(pki["ca"]),
+                "auth_token_file": str(pki["token"]),
+            },
+        }
+    )
+    handle = serve.run(app, name="secure", route_prefix=None)
+    yield f"localhost:{handle.port.remote().result()}", handle
+    serve.delete("secure")
+
+
+def _tls(pki) -> dict:
+    return {"tls_ca": pki["ca"], "tls_cert": pki["client_cert"], "tls_key": pki["client_key"]}
+
+
+async def test_tls_and_token_let_a_client_in(secure_server, pki, photos) -> None:
+    address, _ = secure_server
+    async with Client(address, token=TOKEN, **_tls(pki)) as client:
+        results = [r async for r in client.classify([photos["coffee"]])]
+        assert results[0].ok and results[0].labels  # echo engine: transport only
+        assert (await client.model_info()).engine == "echo"
+
+
+async def test_wrong_or_missing_token_is_unauthenticated_and_does_no_work(
+    secure_server, pki, photos
+) -> None:
+    address, handle = secure_server
+    before = await handle.requests_started.remote()
+    for token in (None, "wrong"):
+        async with Client(address, token=token, **_tls(pki)) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [r async for r in client.classify([photos["coffee"]])]
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.classify_once([photos["coffee"]])
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert await handle.requests_started.remote() == before
+
+
+async def test_plaintext_and_certificate_less_clients_are_refused(secure_server, pki) -> None:
+    address, _ = secure_server
+    async with Client(address, token=TOKEN) as plaintext:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await plaintext.model_info(timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    async with Client(address, token=TOKEN, tls_ca=pki["ca"]) as no_client_cert:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await no_client_cert.model_info(timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
