@@ -52,6 +52,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         self._name, self._version, self._engine = model
         self._pipeline = pipeline
         self.requests_started = 0
+        self.requests_in_flight = 0  # stream requests being answered, all streams
 
     # -- request validation -------------------------------------------------------------
 
@@ -112,9 +113,11 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         tasks: set[asyncio.Task] = set()
 
         async def answer(request: pb.ClassifyRequest) -> None:
+            self.requests_in_flight += 1
             try:
                 response = await self._respond(request)
             finally:
+                self.requests_in_flight -= 1
                 slots.release()
                 in_flight.discard(request.request_id)
             await responses.put(response)
@@ -320,6 +323,10 @@ class Ingress:
     def requests_started(self) -> int:
         """Requests that reached the pipeline (tests: rejected calls must not count)."""
         return self._service.requests_started
+
+    def requests_in_flight(self) -> int:
+        """Stream requests being answered now (tests: disconnects must leave none)."""
+        return self._service.requests_in_flight
 
     async def __del__(self) -> None:
         # Ray Serve calls __del__ when it stops a replica: report NOT_SERVING so balancers

@@ -84,5 +84,6 @@ def server(request, ray_cluster, model_repository: Path) -> str:
     )
     handle = serve.run(app, name="raystream", route_prefix=None)
     port = handle.port.remote().result()
+    request.config.raystream_ingress = handle  # for tests that inspect the ingress
     yield f"127.0.0.1:{port}"
     serve.shutdown()

@@ -218,3 +218,31 @@ async def test_health_and_reflection(server) -> None:
         async for reply in stub.ServerReflectionInfo(iter([request])):
             names = {s.name for s in reply.list_services_response.service}
             assert {"raystream.v1.ImageClassifier", "grpc.health.v1.Health"} <= names
+
+
+async def test_a_client_that_disconnects_leaves_no_work_behind(server, photos, request) -> None:
+    ingress = request.config.raystream_ingress
+    sent = asyncio.Event()
+
+    async def requests():
+        for i in range(30):
+            yield pb.ClassifyRequest(request_id=f"gone-{i}", images=[photos["astronaut"]] * 4)
+        sent.set()
+        await asyncio.sleep(3600)  # keep the stream open until the client cancels it
+
+    async with grpc.aio.insecure_channel(server) as channel:
+        from raystream.v1 import classifier_pb2_grpc as pb_grpc
+
+        call = pb_grpc.ImageClassifierStub(channel).Classify(requests())
+        await sent.wait()
+        await call.read()  # at least one answer: the server is working on the others
+        assert await ingress.requests_in_flight.remote() > 0
+        call.cancel()
+    for _ in range(100):  # poll: cancelled work drains without a fixed sleep
+        if await ingress.requests_in_flight.remote() == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert await ingress.requests_in_flight.remote() == 0
+    # The server goes on serving others.
+    (response,) = await _stream(server, [pb.ClassifyRequest(images=[photos["coffee"]])])
+    assert response.results[0].labels[0].class_id in COFFEE
