@@ -1,0 +1,85 @@
+"""Replica failure in the middle of a stream: every request sent is answered (correctly, or
+with UNAVAILABLE), never dropped, and the same stream goes on once Serve restarts it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from clients.client import Client
+from raystream.v1 import classifier_pb2 as pb
+
+pytestmark = pytest.mark.slow
+CATS = range(281, 286)
+
+
+@pytest.fixture(scope="module")
+def fault_server(ray_cluster, model_repository):
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    serve.start(proxy_location="Disabled")
+    app = build_app(
+        {
+            "model_repository": str(model_repository),
+            "port": 0,
+            "topology": "fused",
+            "engine": {"kind": "onnxruntime"},
+        }
+    )
+    handle = serve.run(app, name="faults", route_prefix=None)
+    yield f"127.0.0.1:{handle.port.remote().result()}"
+    serve.delete("faults")
+
+
+def _kill_replica(app: str, deployment: str) -> None:
+    import ray
+
+    names = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if f"{app}#{deployment}#" in a["name"]
+    ]
+    assert names, f"no replica of {app}/{deployment} found"
+    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+
+
+async def test_killing_the_inference_replica_loses_no_request(fault_server, photos) -> None:
+    total, killed = 40, asyncio.Event()
+
+    async def requests():
+        for i in range(total):
+            if i == 16:  # requests 10..15 (8 images each) are still running now
+                await asyncio.sleep(0.2)
+                await asyncio.to_thread(_kill_replica, "faults", "Inference")
+                killed.set()
+            burst = 10 <= i < 16
+            yield pb.ClassifyRequest(
+                request_id=str(i), images=[photos["chelsea"]] * (8 if burst else 1)
+            )
+            if not burst:
+                await asyncio.sleep(0.05 if i < 20 else 0.5)  # the tail spans the restart
+
+    async with Client(fault_server) as client:
+        responses = [r async for r in client.stream(requests())]
+    assert killed.is_set()
+    assert sorted(int(r.request_id) for r in responses) == list(range(total))
+    outcomes = []
+    for response in responses:
+        if response.error.code:
+            assert response.error.code == 14, response.error  # UNAVAILABLE, says why
+            outcomes.append("unavailable")
+        else:
+            assert response.results[0].labels[0].class_id in CATS
+            outcomes.append("ok")
+    assert outcomes.count("ok") >= 10  # before the kill, and after the restart
+    # After the restart the server answers normally again.
+    for _ in range(120):
+        async with Client(fault_server) as client:
+            response = await client.classify_once([photos["coffee"]])
+        if not response.error.code:
+            break
+        await asyncio.sleep(0.5)
+    assert response.error.code == 0 and response.results[0].labels
