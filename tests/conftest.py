@@ -64,26 +64,32 @@ def ray_cluster():
     ray.shutdown()
 
 
+def start_app(name: str, model_repository: Path, **args: object):
+    """Build and run raystream as Serve application `name`, gRPC on a free port: returns
+    (port, ingress handle). The caller deletes it (`serve.delete(name)`)."""
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    serve.start(proxy_location="Disabled")
+    app = build_app({"model_repository": str(model_repository), "port": 0, **args})
+    handle = serve.run(app, name=name, route_prefix=None)
+    return handle.port.remote().result(), handle
+
+
 @pytest.fixture(scope="session", params=["chained", "fused"])
 def server(request, ray_cluster, model_repository: Path) -> str:
     """The whole application under real Ray Serve, gRPC on a free loopback port, in each
     topology (serve_app/pipeline.py)."""
     from ray import serve
 
-    from serve_app.app import build_app
-
-    serve.start(proxy_location="Disabled")
-    app = build_app(
-        {
-            "model_repository": str(model_repository),
-            "port": 0,
-            "engine": {"kind": "onnxruntime"},
-            "limits": {"max_images_per_request": 16},
-            "topology": request.param,
-        }
+    port, handle = start_app(
+        "raystream",
+        model_repository,
+        topology=request.param,
+        engine={"kind": "onnxruntime"},
+        limits={"max_images_per_request": 16},
     )
-    handle = serve.run(app, name="raystream", route_prefix=None)
-    port = handle.port.remote().result()
     request.config.raystream_ingress = handle  # for tests that inspect the ingress
     yield f"127.0.0.1:{port}"
     serve.shutdown()

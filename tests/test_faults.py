@@ -10,6 +10,8 @@ import pytest
 from clients.client import Client
 from raystream.v1 import classifier_pb2 as pb
 
+from conftest import start_app
+
 pytestmark = pytest.mark.slow
 CATS = range(281, 286)
 
@@ -18,19 +20,10 @@ CATS = range(281, 286)
 def fault_server(ray_cluster, model_repository):
     from ray import serve
 
-    from serve_app.app import build_app
-
-    serve.start(proxy_location="Disabled")
-    app = build_app(
-        {
-            "model_repository": str(model_repository),
-            "port": 0,
-            "topology": "fused",
-            "engine": {"kind": "onnxruntime"},
-        }
+    port, _ = start_app(
+        "faults", model_repository, topology="fused", engine={"kind": "onnxruntime"}
     )
-    handle = serve.run(app, name="faults", route_prefix=None)
-    yield f"127.0.0.1:{handle.port.remote().result()}"
+    yield f"127.0.0.1:{port}"
     serve.delete("faults")
 
 

@@ -16,6 +16,8 @@ from cryptography.x509.oid import NameOID
 
 from clients.client import Client
 
+from conftest import start_app
+
 pytestmark = pytest.mark.slow
 TOKEN = "s3cret-token"
 
@@ -82,25 +84,16 @@ def pki(tmp_path_factory) -> dict[str, Path]:
 def secure_server(ray_cluster, model_repository, pki):
     from ray import serve
 
-    from serve_app.app import build_app
-
-    serve.start(proxy_location="Disabled")
-    app = build_app(
-        {
-            "model_repository": str(model_repository),
-            "port": 0,
-            "topology": "fused",
-            "engine": {"kind": "echo"},
-            "security": {
-                "tls_cert": str(pki["server_cert"]),
-                "tls_key": str(pki["server_key"]),
-                "tls_client_ca": str(pki["ca"]),
-                "auth_token_file": str(pki["token"]),
-            },
-        }
+    security = {
+        "tls_cert": str(pki["server_cert"]),
+        "tls_key": str(pki["server_key"]),
+        "tls_client_ca": str(pki["ca"]),
+        "auth_token_file": str(pki["token"]),
+    }
+    port, handle = start_app(
+        "secure", model_repository, topology="fused", engine={"kind": "echo"}, security=security
     )
-    handle = serve.run(app, name="secure", route_prefix=None)
-    yield f"localhost:{handle.port.remote().result()}", handle
+    yield f"localhost:{port}", handle
     serve.delete("secure")
 
 
