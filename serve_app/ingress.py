@@ -26,6 +26,7 @@ from raystream.v1 import classifier_pb2 as pb
 from raystream.v1 import classifier_pb2_grpc as pb_grpc
 from serve_app.config import AppConfig, SecurityConfig
 from serve_app.errors import (
+    Code,
     DuplicateRequest,
     InvalidArgument,
     ModelNotFound,
@@ -33,6 +34,7 @@ from serve_app.errors import (
     message_for,
 )
 from serve_app.messages import Classified
+from serve_app.metrics import IngressMetrics
 from serve_app.pipeline import ChainedPipeline, FusedPipeline, Pipeline
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         self._pipeline = pipeline
         self.requests_started = 0
         self.requests_in_flight = 0  # stream requests being answered, all streams
+        self._metrics = IngressMetrics()
 
     # -- request validation -------------------------------------------------------------
 
@@ -101,7 +104,25 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
             response.error.code, response.error.message = int(code), message_for(exc)
             del response.results[:]
         response.timing.total_ms = (time.perf_counter() - start) * 1000.0
+        self._record(response)
         return response
+
+    def _record(self, response: pb.ClassifyResponse) -> None:
+        t = response.timing
+        ran = len(response.results) > 0
+        self._metrics.record(
+            code=_code_name(response.error.code),
+            image_codes=(_code_name(r.error.code) for r in response.results),
+            total_ms=t.total_ms,
+            stage_ms={
+                "queue": t.queue_ms,
+                "preprocess": t.preprocess_ms,
+                "compute": t.inference_ms,
+                "postprocess": t.postprocess_ms,
+            }
+            if ran
+            else {},
+        )
 
     # -- RPCs -----------------------------------------------------------------------------
 
@@ -114,10 +135,12 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
 
         async def answer(request: pb.ClassifyRequest) -> None:
             self.requests_in_flight += 1
+            self._metrics.in_flight.set(self.requests_in_flight)
             try:
                 response = await self._respond(request)
             finally:
                 self.requests_in_flight -= 1
+                self._metrics.in_flight.set(self.requests_in_flight)
                 slots.release()
                 in_flight.discard(request.request_id)
             await responses.put(response)
@@ -128,15 +151,15 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
                     await slots.acquire()  # backpressure: stop reading while full
                     if request.request_id and request.request_id in in_flight:
                         slots.release()
-                        await responses.put(
-                            _error_response(
-                                request,
-                                DuplicateRequest(
-                                    f"request_id {request.request_id!r} is already in flight on "
-                                    f"this stream"
-                                ),
-                            )
+                        duplicate = _error_response(
+                            request,
+                            DuplicateRequest(
+                                f"request_id {request.request_id!r} is already in flight on this "
+                                f"stream"
+                            ),
                         )
+                        self._record(duplicate)
+                        await responses.put(duplicate)
                         continue
                     if request.request_id:
                         in_flight.add(request.request_id)
@@ -178,6 +201,10 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
             max_batch_size=self._engine.max_batch_size,
             precision=self._engine.precision,
         )
+
+
+def _code_name(code: int) -> str:
+    return Code(code).name if code in Code._value2member_map_ else str(code)
 
 
 def _error_response(request: pb.ClassifyRequest, exc: Exception) -> pb.ClassifyResponse:

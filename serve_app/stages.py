@@ -32,6 +32,7 @@ from serve_app.messages import (
     Preprocessed,
     StageTiming,
 )
+from serve_app.metrics import InferenceMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +189,7 @@ class Inference:
                 ),
             )
         self._batching = BatchingConfig()
+        self._metrics = InferenceMetrics()
         self._batcher = DynamicBatcher(
             self._run_engine,
             len,
@@ -223,6 +225,7 @@ class Inference:
             self._executor, self._engine.infer_uint8, pixels, self._mean, self._std
         )
         inference_ms = _ms_since(start)
+        self._metrics.batch_size.observe(len(pixels))
         bounds = np.cumsum([0] + [len(chunk) for chunk in chunks])
         return [
             _Ran(logits[lo:hi], start, inference_ms, len(pixels))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -59,9 +60,26 @@ def ray_cluster():
         include_dashboard=False,
         log_to_driver=False,
         runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}},
+        _metrics_export_port=_free_port(),
+        _system_config={"metrics_report_interval_ms": 1000},  # metrics tests poll briefly
     )
     yield
     ray.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def metrics_url(ray_cluster) -> str:
+    """Where Ray's metrics agent serves Prometheus text for this test cluster."""
+    import ray
+
+    node = next(n for n in ray.nodes() if n["Alive"])
+    return f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
 
 
 def start_app(name: str, model_repository: Path, **args: object):

@@ -246,3 +246,37 @@ async def test_a_client_that_disconnects_leaves_no_work_behind(server, photos, r
     # The server goes on serving others.
     (response,) = await _stream(server, [pb.ClassifyRequest(images=[photos["coffee"]])])
     assert response.results[0].labels[0].class_id in COFFEE
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels` (Prometheus text)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def test_prometheus_metrics_move(server, photos, metrics_url) -> None:
+    import urllib.request
+
+    def scrape() -> str:
+        with urllib.request.urlopen(metrics_url, timeout=5) as reply:
+            return reply.read().decode()
+
+    before = await asyncio.to_thread(scrape)
+    ok_before = _metric(before, "ray_raystream_inference_request_total", code="OK")
+    requests = [
+        pb.ClassifyRequest(request_id=str(i), images=[photos["coffee"], b"junk"]) for i in range(3)
+    ]
+    await _stream(server, requests)
+    for _ in range(60):  # Ray's agent exports every second in the test cluster
+        text = await asyncio.to_thread(scrape)
+        if _metric(text, "ray_raystream_inference_request_total", code="OK") >= ok_before + 3:
+            break
+        await asyncio.sleep(0.5)
+    assert _metric(text, "ray_raystream_inference_request_total", code="OK") >= ok_before + 3
+    assert _metric(text, "ray_raystream_inference_image_total", code="INVALID_ARGUMENT") >= 3
+    assert _metric(text, "ray_raystream_request_duration_ms_count") >= 3
+    assert _metric(text, "ray_raystream_compute_duration_ms_count") >= 3
+    assert _metric(text, "ray_raystream_batch_size_count") >= 1
