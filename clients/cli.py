@@ -92,25 +92,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
     child = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", f.name])
     address = f"{app.host}:{app.port}"
 
-    async def wait_ready() -> object:
-        from clients.client import Client
+    async def wait_ready() -> bool:
+        """Poll the health service (open even with token auth) until SERVING."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        async with Client(address) as client:
-            while child.poll() is None:
+        deadline = asyncio.get_running_loop().time() + args.ready_timeout
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while child.poll() is None and asyncio.get_running_loop().time() < deadline:
                 try:
-                    return await client.model_info(timeout=1.0)
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return True
                 except grpc.aio.AioRpcError:
-                    await asyncio.sleep(0.5)
-        return None
+                    pass
+                await asyncio.sleep(0.5)
+        return False
 
     try:
-        info = asyncio.run(wait_ready())
-        if info is not None:
+        if app.security.tls_cert is not None:
+            print(f"raystream starting with TLS on {address}; readiness is not probed", flush=True)
+        elif asyncio.run(wait_ready()):
             print(
-                f"raystream ready: gRPC on {address}, model {info.name}/{info.version}, "
-                f"engine {info.engine} ({info.precision}); Ctrl-C stops",
+                f"raystream ready: gRPC on {address}, model {app.model}, engine "
+                f"{app.engine.kind}; Ctrl-C stops",
                 flush=True,
             )
+        elif child.poll() is None:
+            print(
+                f"raystream: not ready after {args.ready_timeout:.0f} s; see the Serve log "
+                f"above. Stopping.",
+                file=sys.stderr,
+                flush=True,
+            )
+            child.send_signal(signal.SIGINT)
+            child.wait()
+            return 1
         return child.wait()
     except KeyboardInterrupt:
         child.send_signal(signal.SIGINT)
@@ -343,6 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-repository", help="model repository directory")
     p.add_argument("--topology", choices=["chained", "fused"], help="see README, Architecture")
     p.add_argument("--decode", choices=["cpu", "gpu"], help="where JPEGs are decoded")
+    p.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=900.0,
+        help="give up (and stop) if not serving after this many seconds",
+    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(
