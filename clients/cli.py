@@ -113,11 +113,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if app.security.tls_cert is not None:
             print(f"raystream starting with TLS on {address}; readiness is not probed", flush=True)
         elif asyncio.run(wait_ready()):
-            print(
-                f"raystream ready: gRPC on {address}, model {app.model}, engine "
-                f"{app.engine.kind}; Ctrl-C stops",
-                flush=True,
-            )
+            described = asyncio.run(_describe(address, app))
+            print(f"raystream ready: gRPC on {address}, {described}; Ctrl-C stops", flush=True)
         elif child.poll() is None:
             print(
                 f"raystream: not ready after {args.ready_timeout:.0f} s; see the Serve log "
@@ -134,6 +131,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return child.wait()
     finally:
         os.unlink(f.name)
+
+
+async def _describe(address: str, app) -> str:
+    """What is served, from GetModelInfo (open unless token auth is on)."""
+    from clients.client import Client
+
+    if app.security.auth_token_file is not None:
+        return f"model {app.model}, engine {app.engine.kind}"
+    async with Client(address) as client:
+        info = await client.model_info(timeout=5.0)
+    return (
+        f"model {info.name}/{info.version}, engine {info.engine} ({info.precision}), "
+        f"topology {app.topology}"
+    )
 
 
 # -- classify ------------------------------------------------------------------------------
