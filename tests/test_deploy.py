@@ -43,3 +43,23 @@ def test_config_errors_name_the_field() -> None:
         AppConfig.model_validate({"engine": {"kind": "tensorflow"}})
     with pytest.raises(ValueError, match="Extra inputs"):
         AppConfig.model_validate({"prot": 9000})
+
+
+def test_serve_reports_config_errors_before_starting_anything() -> None:
+    import subprocess
+    import sys
+
+    for args, expected in (
+        (["--port", "99999"], "port"),
+        (["--config", "nope.yaml"], "not found"),
+        (["--model-repository", "/nonexistent"], "raystream export"),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "clients.cli", "serve", *args],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        )
+        assert result.returncode == 2, result.stderr
+        assert expected in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,134 @@
+"""`raystream serve`: validate the Serve config, run `serve run` on it in the foreground,
+and say when the server is serving (from the gRPC health service)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import grpc
+
+
+class ConfigError(Exception):
+    """The Serve config is missing or invalid; the message names the field and value."""
+
+
+def _serve_config(path: Path, overrides: dict) -> tuple[dict, object]:
+    import yaml
+
+    from serve_app.config import AppConfig
+
+    if not path.is_file():
+        raise ConfigError(f"Serve config {path} not found")
+    config = yaml.safe_load(path.read_text())
+    app = config["applications"][0]
+    args = dict(app.get("args") or {})
+    for key, value in overrides.items():  # nested sections (engine: {...}) merge, not replace
+        merge = isinstance(value, dict) and isinstance(args.get(key), dict)
+        args[key] = {**args[key], **value} if merge else value
+    app["args"] = args
+    if args.get("topology") == "fused":  # these deployments only exist in the chained topology
+        app["deployments"] = [
+            d
+            for d in app.get("deployments", [])
+            if d.get("name") not in ("Preprocess", "Postprocess")
+        ]
+    try:
+        validated = AppConfig.model_validate(app["args"])
+    except ValueError as exc:
+        raise ConfigError(f"invalid config {path}:\n{exc}") from None
+    return config, validated
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Validate the config, start `serve run` in the foreground, print when it answers."""
+    import yaml
+
+    from engines.repository import ModelNotFoundError, resolve
+
+    overrides = {
+        k: v
+        for k, v in {
+            "host": args.host,
+            "port": args.port,
+            "model_repository": args.model_repository,
+        }.items()
+        if v
+    }
+    if args.engine:
+        overrides["engine"] = {"kind": args.engine}
+    if args.topology:
+        overrides["topology"] = args.topology
+    if args.decode:
+        overrides["decode"] = args.decode
+    config, app = _serve_config(args.config, overrides)
+    try:
+        resolve(app.model_repository, app.model, app.model_version)
+    except ModelNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(config, f)
+    # The Serve CLI through this interpreter: works in a venv and on machines where the
+    # `serve` console script is not on PATH.
+    child = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", f.name])
+    address = f"{app.host}:{app.port}"
+
+    async def wait_ready() -> bool:
+        """Poll the health service (open even with token auth) until SERVING."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = asyncio.get_running_loop().time() + args.ready_timeout
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while child.poll() is None and asyncio.get_running_loop().time() < deadline:
+                try:
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return True
+                except grpc.aio.AioRpcError:
+                    pass
+                await asyncio.sleep(0.5)
+        return False
+
+    try:
+        if app.security.tls_cert is not None:
+            print(f"raystream starting with TLS on {address}; readiness is not probed", flush=True)
+        elif asyncio.run(wait_ready()):
+            described = asyncio.run(_describe(address, app))
+            print(f"raystream ready: gRPC on {address}, {described}; Ctrl-C stops", flush=True)
+        elif child.poll() is None:
+            print(
+                f"raystream: not ready after {args.ready_timeout:.0f} s; see the Serve log "
+                f"above. Stopping.",
+                file=sys.stderr,
+                flush=True,
+            )
+            child.send_signal(signal.SIGINT)
+            child.wait()
+            return 1
+        return child.wait()
+    except KeyboardInterrupt:
+        child.send_signal(signal.SIGINT)
+        return child.wait()
+    finally:
+        os.unlink(f.name)
+
+
+async def _describe(address: str, app) -> str:
+    """What is served, from GetModelInfo (open unless token auth is on)."""
+    from clients.client import Client
+
+    if app.security.auth_token_file is not None:
+        return f"model {app.model}, engine {app.engine.kind}"
+    async with Client(address) as client:
+        info = await client.model_info(timeout=5.0)
+    return (
+        f"model {info.name}/{info.version}, engine {info.engine} ({info.precision}), "
+        f"topology {app.topology}"
+    )
