@@ -63,3 +63,16 @@ def test_serve_reports_config_errors_before_starting_anything() -> None:
         )
         assert result.returncode == 2, result.stderr
         assert expected in result.stderr and "Traceback" not in result.stderr
+
+
+def test_kuberay_rayservice_embeds_a_valid_serve_config() -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    service = yaml.safe_load((ROOT / "deploy" / "rayservice.yaml").read_text())
+    assert service["kind"] == "RayService" and service["apiVersion"] == "ray.io/v1"
+    serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(serve_config)
+    args = serve_config["applications"][0]["args"]
+    # Paths in the manifest exist only in the cluster's image: check the rest of the args.
+    AppConfig.model_validate({**args, "security": {}})
+    assert set(args["security"]) == {"tls_cert", "tls_key", "auth_token_file"}
