@@ -68,6 +68,9 @@ class AppConfig(_Strict):
     # cpu: PIL decodes every image. gpu: JPEGs are decoded by nvJPEG in the inference replica
     # (needs torchvision and a GPU there); the CPU stage only checks headers.
     decode: Literal["cpu", "gpu"] = "cpu"
+    # Structured request logs (JSON lines in the ingress replica's Serve log): every failed
+    # request or image, and this fraction of the successful ones.
+    log_sample_rate: float = Field(0.01, ge=0.0, le=1.0)
     # fused: requests per Ray call to Inference, and calls in flight (micro-batching).
     requests_per_call: int = Field(64, ge=1)
     max_calls_in_flight: int = Field(4, ge=1)

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
+import random
 import time
+import uuid
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -38,6 +41,7 @@ from serve_app.metrics import IngressMetrics
 from serve_app.pipeline import ChainedPipeline, FusedPipeline, Pipeline
 
 logger = logging.getLogger(__name__)
+request_log = logging.getLogger("ray.serve")  # lands in the replica's Serve log file
 
 DEFAULT_TOP_K = 5
 SERVICE_NAMES = (pb.DESCRIPTOR.services_by_name["ImageClassifier"].full_name, health.SERVICE_NAME)
@@ -56,6 +60,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         self.requests_started = 0
         self.requests_in_flight = 0  # stream requests being answered, all streams
         self._metrics = IngressMetrics()
+        self._log_sample_rate = config.log_sample_rate
 
     # -- request validation -------------------------------------------------------------
 
@@ -86,7 +91,9 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
             )
         return await self._pipeline.classify(list(request.images), top_k)
 
-    async def _respond(self, request: pb.ClassifyRequest) -> pb.ClassifyResponse:
+    async def _respond(
+        self, request: pb.ClassifyRequest, stream: str = "unary"
+    ) -> pb.ClassifyResponse:
         """Exactly one response per request: the result, or the error that says why not."""
         start = time.perf_counter()
         response = pb.ClassifyResponse(request_id=request.request_id)
@@ -104,11 +111,12 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
             response.error.code, response.error.message = int(code), message_for(exc)
             del response.results[:]
         response.timing.total_ms = (time.perf_counter() - start) * 1000.0
-        self._record(response)
+        self._record(response, stream)
         return response
 
-    def _record(self, response: pb.ClassifyResponse) -> None:
+    def _record(self, response: pb.ClassifyResponse, stream: str = "unary") -> None:
         t = response.timing
+        self._log(response, stream)
         ran = len(response.results) > 0
         self._metrics.record(
             code=_code_name(response.error.code),
@@ -126,8 +134,34 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
 
     # -- RPCs -----------------------------------------------------------------------------
 
+    def _log(self, response: pb.ClassifyResponse, stream: str) -> None:
+        """One JSON line per request into the replica's Serve log: every failure, and
+        successes at `log_sample_rate`."""
+        failed = sum(1 for r in response.results if r.error.code)
+        if not (response.error.code or failed or random.random() < self._log_sample_rate):
+            return
+        t = response.timing
+        request_log.info(
+            json.dumps(
+                {
+                    "event": "raystream.request",
+                    "stream": stream,
+                    "request_id": response.request_id,
+                    "code": _code_name(response.error.code),
+                    "images": len(response.results),
+                    "failed_images": failed,
+                    "total_ms": round(t.total_ms, 3),
+                    "queue_ms": round(t.queue_ms, 3),
+                    "inference_ms": round(t.inference_ms, 3),
+                    "batch_size": t.batch_size,
+                    "error": response.error.message or None,
+                }
+            )
+        )
+
     async def Classify(self, request_iterator, context):
         """Bidi stream: requests run concurrently, answered in completion order."""
+        stream = uuid.uuid4().hex[:12]
         responses: asyncio.Queue = asyncio.Queue()
         slots = asyncio.Semaphore(self._config.limits.max_in_flight_per_stream)
         in_flight: set[str] = set()
@@ -137,7 +171,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
             self.requests_in_flight += 1
             self._metrics.in_flight.set(self.requests_in_flight)
             try:
-                response = await self._respond(request)
+                response = await self._respond(request, stream)
             finally:
                 self.requests_in_flight -= 1
                 self._metrics.in_flight.set(self.requests_in_flight)
@@ -158,7 +192,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
                                 f"stream"
                             ),
                         )
-                        self._record(duplicate)
+                        self._record(duplicate, stream)
                         await responses.put(duplicate)
                         continue
                     if request.request_id:

@@ -280,3 +280,26 @@ async def test_prometheus_metrics_move(server, photos, metrics_url) -> None:
     assert _metric(text, "ray_raystream_request_duration_ms_count") >= 3
     assert _metric(text, "ray_raystream_compute_duration_ms_count") >= 3
     assert _metric(text, "ray_raystream_batch_size_count") >= 1
+
+
+async def test_failed_requests_are_logged_as_json_with_request_and_stream_ids(server, photos):
+    import glob
+
+    import ray
+
+    requests = [pb.ClassifyRequest(request_id="log-me", images=[photos["coffee"], b"junk"])]
+    await _stream(server, requests)
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
+    for _ in range(50):
+        lines = [
+            line
+            for path in glob.glob(str(logs / "replica_raystream_Ingress_*.log"))
+            for line in Path(path).read_text().splitlines()
+            if '"log-me"' in line
+        ]
+        if lines:
+            break
+        await asyncio.sleep(0.1)
+    record = json.loads(lines[-1][lines[-1].index("{") :])
+    assert record["event"] == "raystream.request" and record["failed_images"] == 1
+    assert record["stream"] != "unary" and record["images"] == 2 and record["code"] == "OK"
