@@ -41,7 +41,8 @@ format: setup
 # Regenerate the Python stubs after editing protos/ (tests/test_protos.py checks they match).
 protos: setup
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos \
-		--grpc_python_out=protos protos/raystream/v1/classifier.proto
+		--grpc_python_out=protos protos/raystream/v1/classifier.proto \
+		protos/raystream/oip/grpc_predict_v2.proto
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

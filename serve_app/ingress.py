@@ -25,6 +25,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from engines import EngineInfo
+from raystream.oip import grpc_predict_v2_pb2 as oip
+from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from raystream.v1 import classifier_pb2 as pb
 from raystream.v1 import classifier_pb2_grpc as pb_grpc
 from serve_app.config import AppConfig, SecurityConfig
@@ -38,13 +40,18 @@ from serve_app.errors import (
 )
 from serve_app.messages import Classified
 from serve_app.metrics import IngressMetrics
+from serve_app.oip import OpenInferenceService
 from serve_app.pipeline import ChainedPipeline, FusedPipeline, Pipeline
 
 logger = logging.getLogger(__name__)
 request_log = logging.getLogger("ray.serve")  # lands in the replica's Serve log file
 
 DEFAULT_TOP_K = 5
-SERVICE_NAMES = (pb.DESCRIPTOR.services_by_name["ImageClassifier"].full_name, health.SERVICE_NAME)
+SERVICE_NAMES = (
+    pb.DESCRIPTOR.services_by_name["ImageClassifier"].full_name,
+    oip.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
+    health.SERVICE_NAME,
+)
 _END = object()
 
 
@@ -55,6 +62,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         self, config: AppConfig, model: tuple[str, str, EngineInfo], pipeline: Pipeline
     ) -> None:
         self._config = config
+        self.model = model
         self._name, self._version, self._engine = model
         self._pipeline = pipeline
         self.requests_started = 0
@@ -90,6 +98,10 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
                 f"request has {len(request.images)} images, over the limit of {limit} per request"
             )
         return await self._pipeline.classify(list(request.images), top_k)
+
+    async def respond(self, request: pb.ClassifyRequest) -> pb.ClassifyResponse:
+        """One request through validation and the pipeline (the OIP service uses this)."""
+        return await self._respond(request)
 
     async def _respond(
         self, request: pb.ClassifyRequest, stream: str = "unary"
@@ -351,6 +363,9 @@ class Ingress:
         )
         self._service = ClassifierService(self._config, model, pipeline)
         pb_grpc.add_ImageClassifierServicer_to_server(self._service, self._server)
+        oip_grpc.add_GRPCInferenceServiceServicer_to_server(
+            OpenInferenceService(self._service), self._server
+        )
         # grpc.health.v1 (SERVING: the engine was warmed before Inference reported ready)
         # and server reflection, so grpcurl-style tools list and call the services.
         self._health = health.aio.HealthServicer()

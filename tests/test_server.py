@@ -217,7 +217,11 @@ async def test_health_and_reflection(server) -> None:
         request = reflection_pb2.ServerReflectionRequest(list_services="")
         async for reply in stub.ServerReflectionInfo(iter([request])):
             names = {s.name for s in reply.list_services_response.service}
-            assert {"raystream.v1.ImageClassifier", "grpc.health.v1.Health"} <= names
+            assert {
+                "raystream.v1.ImageClassifier",
+                "inference.GRPCInferenceService",
+                "grpc.health.v1.Health",
+            } <= names
 
 
 async def test_a_client_that_disconnects_leaves_no_work_behind(server, photos, request) -> None:

@@ -1,0 +1,205 @@
+"""The KServe v2 / Open Inference Protocol service (`inference.GRPCInferenceService`) on the
+raystream pipeline: the same ingress, validation, batching and errors as raystream.v1.
+
+Model interface:
+- input `images`: BYTES, shape [N] (or [N, 1]), one encoded image per element, in
+  `raw_input_contents` (4-byte little-endian length before each element) or `bytes_contents`.
+- output `probabilities`: FP32 [N, classes], softmax scores (the default output).
+- output `labels` (or any requested output with the `classification` parameter k, Triton's
+  classification extension): BYTES [N, k], elements "score:class_id:name", best first.
+OIP has no per-item errors: a request with a bad image fails as a whole with
+INVALID_ARGUMENT naming the image. Preprocessed FP32 input is not supported yet
+(UNIMPLEMENTED). ModelStreamInfer answers each request in its own ModelStreamInferResponse,
+with `error_message` set when it failed; the stream goes on.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import grpc
+import numpy as np
+
+from raystream.oip import grpc_predict_v2_pb2 as oip
+from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
+from raystream.v1 import classifier_pb2 as pb
+
+INPUT, SCORES, LABELS = "images", "probabilities", "labels"
+
+
+class _Rejected(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _bytes_elements(raw: bytes) -> list[bytes]:
+    """Triton/OIP raw BYTES: each element is a 4-byte little-endian length, then the bytes."""
+    out, offset = [], 0
+    while offset < len(raw):
+        if offset + 4 > len(raw):
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "truncated BYTES tensor")
+        (size,) = struct.unpack_from("<I", raw, offset)
+        offset += 4
+        if offset + size > len(raw):
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "truncated BYTES tensor")
+        out.append(raw[offset : offset + size])
+        offset += size
+    return out
+
+
+def _encode_bytes(elements: list[bytes]) -> bytes:
+    return b"".join(struct.pack("<I", len(e)) + e for e in elements)
+
+
+def _images(request: oip.ModelInferRequest) -> list[bytes]:
+    if len(request.inputs) != 1 or request.inputs[0].name != INPUT:
+        raise _Rejected(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"expected one input tensor named {INPUT!r}, got {[i.name for i in request.inputs]}",
+        )
+    tensor = request.inputs[0]
+    if tensor.datatype != "BYTES":
+        raise _Rejected(
+            grpc.StatusCode.UNIMPLEMENTED,
+            f"input {INPUT!r} must be BYTES (encoded images); {tensor.datatype} "
+            f"(preprocessed tensors) is not supported yet",
+        )
+    if request.raw_input_contents:
+        images = _bytes_elements(request.raw_input_contents[0])
+    else:
+        images = list(tensor.contents.bytes_contents)
+    expected = int(np.prod(tensor.shape)) if tensor.shape else len(images)
+    if len(images) != expected:
+        raise _Rejected(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"input shape {list(tensor.shape)} holds {expected} elements, got {len(images)}",
+        )
+    return images
+
+
+def _top_k(request: oip.ModelInferRequest, num_classes: int) -> dict[str, int]:
+    """Requested outputs -> how many labels each needs (probabilities need all classes)."""
+    wanted = {}
+    for output in request.outputs or [
+        oip.ModelInferRequest.InferRequestedOutputTensor(name=SCORES)
+    ]:
+        k = (
+            output.parameters["classification"].int64_param
+            if ("classification" in output.parameters)
+            else 0
+        )
+        if output.name == SCORES and not k:
+            wanted[SCORES] = num_classes
+        elif output.name == LABELS or k:
+            wanted[output.name] = k or 5
+        else:
+            raise _Rejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"unknown output {output.name!r}; outputs: {SCORES}, {LABELS}",
+            )
+    return wanted
+
+
+class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, classifier) -> None:
+        self._classifier = classifier  # serve_app.ingress.ClassifierService
+        self._name, self._version, self._engine = classifier.model
+
+    def _check_model(self, name: str, version: str = "") -> None:
+        if name != self._name or version not in ("", self._version):
+            raise _Rejected(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {name!r} version {version!r} is not served here; this "
+                f"server serves {self._name!r} version {self._version!r}",
+            )
+
+    async def _infer(self, request: oip.ModelInferRequest) -> oip.ModelInferResponse:
+        self._check_model(request.model_name, request.model_version)
+        images = _images(request)
+        wanted = _top_k(request, self._engine.num_classes)
+        answer = await self._classifier.respond(
+            pb.ClassifyRequest(
+                request_id=request.id, images=images, top_k=max(wanted.values()), model=""
+            )
+        )
+        if answer.error.code:
+            raise _Rejected(_status(answer.error.code), answer.error.message)
+        for i, result in enumerate(answer.results):
+            if result.error.code:
+                raise _Rejected(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"image {i}: {result.error.message}"
+                )
+        response = oip.ModelInferResponse(
+            model_name=self._name, model_version=self._version, id=request.id
+        )
+        n = len(answer.results)
+        for name, k in wanted.items():
+            if name == SCORES:
+                scores = np.zeros((n, self._engine.num_classes), np.float32)
+                for row, result in zip(scores, answer.results, strict=True):
+                    for label in result.labels:
+                        row[label.class_id] = label.score
+                response.outputs.add(name=name, datatype="FP32", shape=list(scores.shape))
+                response.raw_output_contents.append(scores.tobytes())
+            else:
+                elements = [
+                    f"{lb.score:f}:{lb.class_id}:{lb.name}".encode()
+                    for result in answer.results
+                    for lb in result.labels[:k]
+                ]
+                response.outputs.add(name=name, datatype="BYTES", shape=[n, k])
+                response.raw_output_contents.append(_encode_bytes(elements))
+        return response
+
+    async def ModelInfer(self, request, context):
+        try:
+            return await self._infer(request)
+        except _Rejected as exc:
+            await context.abort(exc.code, str(exc))
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        async for request in request_iterator:
+            try:
+                yield oip.ModelStreamInferResponse(infer_response=await self._infer(request))
+            except _Rejected as exc:
+                yield oip.ModelStreamInferResponse(
+                    error_message=f"{exc.code.name}: {exc}",
+                    infer_response=oip.ModelInferResponse(id=request.id),
+                )
+
+    async def ServerLive(self, request, context):
+        return oip.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return oip.ServerReadyResponse(ready=True)
+
+    async def ModelReady(self, request, context):
+        ready = request.name == self._name and request.version in ("", self._version)
+        return oip.ModelReadyResponse(ready=ready)
+
+    async def ServerMetadata(self, request, context):
+        return oip.ServerMetadataResponse(
+            name="raystream", version="0.1.0", extensions=["classification", "model_stream_infer"]
+        )
+
+    async def ModelMetadata(self, request, context):
+        try:
+            self._check_model(request.name, request.version)
+        except _Rejected as exc:
+            await context.abort(exc.code, str(exc))
+        tensor = oip.ModelMetadataResponse.TensorMetadata
+        return oip.ModelMetadataResponse(
+            name=self._name,
+            versions=[self._version],
+            platform=f"raystream_{self._engine.engine}",
+            inputs=[tensor(name=INPUT, datatype="BYTES", shape=[-1])],
+            outputs=[
+                tensor(name=SCORES, datatype="FP32", shape=[-1, self._engine.num_classes]),
+                tensor(name=LABELS, datatype="BYTES", shape=[-1, -1]),
+            ],
+        )
+
+
+def _status(code: int) -> grpc.StatusCode:
+    return next(s for s in grpc.StatusCode if s.value[0] == code)

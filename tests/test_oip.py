@@ -1,0 +1,87 @@
+"""The Open Inference Protocol (KServe v2) service on the real app, through stubs generated
+from the standard grpc_predict_v2 field layout: a standard client's view of raystream."""
+
+from __future__ import annotations
+
+import struct
+
+import grpc
+import numpy as np
+import pytest
+
+from raystream.oip import grpc_predict_v2_pb2 as oip
+from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
+
+pytestmark = pytest.mark.slow
+CATS = range(281, 286)
+
+
+def _raw_bytes(elements: list[bytes]) -> bytes:
+    return b"".join(struct.pack("<I", len(e)) + e for e in elements)
+
+
+def _request(images: list[bytes], outputs=None, request_id: str = "r") -> oip.ModelInferRequest:
+    request = oip.ModelInferRequest(model_name="efficientnet-lite0", id=request_id)
+    request.inputs.add(name="images", datatype="BYTES", shape=[len(images)])
+    request.raw_input_contents.append(_raw_bytes(images))
+    for name, k in outputs or []:
+        output = request.outputs.add(name=name)
+        if k:
+            output.parameters["classification"].int64_param = k
+    return request
+
+
+async def test_model_infer_returns_probabilities_and_labels(server, photos) -> None:
+    async with grpc.aio.insecure_channel(server) as channel:
+        stub = oip_grpc.GRPCInferenceServiceStub(channel)
+        assert (await stub.ServerLive(oip.ServerLiveRequest())).live
+        assert (await stub.ServerReady(oip.ServerReadyRequest())).ready
+        assert (await stub.ModelReady(oip.ModelReadyRequest(name="efficientnet-lite0"))).ready
+        meta = await stub.ModelMetadata(oip.ModelMetadataRequest(name="efficientnet-lite0"))
+        assert meta.inputs[0].datatype == "BYTES" and list(meta.outputs[0].shape) == [-1, 1000]
+
+        reply = await stub.ModelInfer(
+            _request(
+                [photos["chelsea"], photos["coffee"]], outputs=[("probabilities", 0), ("labels", 3)]
+            )
+        )
+        assert reply.id == "r" and [o.name for o in reply.outputs] == ["probabilities", "labels"]
+        probs = np.frombuffer(reply.raw_output_contents[0], np.float32).reshape(2, 1000)
+        assert probs[0].argmax() in CATS and probs[1].argmax() in {967, 968, 504}
+        assert abs(probs.sum(axis=1) - 1).max() < 1e-3
+        raw, labels = reply.raw_output_contents[1], []
+        while raw:
+            (size,) = struct.unpack_from("<I", raw)
+            labels.append(raw[4 : 4 + size].decode())
+            raw = raw[4 + size :]
+        assert len(labels) == 6 and int(labels[0].split(":")[1]) == probs[0].argmax()
+
+
+async def test_errors_follow_the_protocol(server, photos) -> None:
+    async with grpc.aio.insecure_channel(server) as channel:
+        stub = oip_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ModelInfer(_request([photos["coffee"], b"junk"]))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "image 1" in err.value.details()
+        wrong = _request([photos["coffee"]])
+        wrong.model_name = "resnet9000"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ModelInfer(wrong)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        # The stream answers each request, the bad one with its error, and goes on.
+        replies = [
+            r
+            async for r in stub.ModelStreamInfer(
+                iter(
+                    [
+                        _request([photos["chelsea"]], request_id="a"),
+                        _request([b"junk"], request_id="b"),
+                        _request([photos["coffee"]], request_id="c"),
+                    ]
+                )
+            )
+        ]
+        assert [r.infer_response.id for r in replies] == ["a", "b", "c"]
+        assert [bool(r.error_message) for r in replies] == [False, True, False]
+        assert replies[1].error_message.startswith("INVALID_ARGUMENT")
