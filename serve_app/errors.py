@@ -72,12 +72,20 @@ _FOREIGN_CODES: tuple[tuple[type[BaseException], Code], ...] = (
 
 
 def code_for(exc: BaseException) -> Code:
-    """The gRPC status code that says what went wrong; INTERNAL for anything unexpected."""
-    if isinstance(exc, RaystreamError):
-        return exc.code
-    for kind, code in _FOREIGN_CODES:
-        if isinstance(exc, kind):
-            return code
+    """The gRPC status code that says what went wrong; INTERNAL for anything unexpected.
+
+    Follows `__cause__`: Serve wraps an upstream replica's death (ActorDiedError) in a plain
+    RayServeException when a chained call loses its input."""
+    seen: BaseException | None = exc
+    for _ in range(5):
+        if seen is None:
+            break
+        if isinstance(seen, RaystreamError):
+            return seen.code
+        for kind, code in _FOREIGN_CODES:
+            if isinstance(seen, kind):
+                return code
+        seen = seen.__cause__
     return Code.INTERNAL
 
 

@@ -1,5 +1,6 @@
-"""Replica failure in the middle of a stream: every request sent is answered (correctly, or
-with UNAVAILABLE), never dropped, and the same stream goes on once Serve restarts it."""
+"""Replica failure in the middle of a stream (the inference replica; the preprocessing replica
+in the chained topology): every request sent is answered (correctly, or with UNAVAILABLE),
+never dropped, and the same stream goes on once Serve restarts the replica."""
 
 from __future__ import annotations
 
@@ -16,14 +17,18 @@ pytestmark = pytest.mark.slow
 CATS = range(281, 286)
 
 
-@pytest.fixture(scope="module")
-def fault_server(ray_cluster, model_repository):
+CASES = [("fused", "Inference"), ("chained", "Preprocess")]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda case: f"{case[0]}-kill-{case[1]}")
+def fault_server(request, ray_cluster, model_repository):
     from ray import serve
 
+    topology, victim = request.param
     port, _ = start_app(
-        "faults", model_repository, topology="fused", engine={"kind": "onnxruntime"}
+        "faults", model_repository, topology=topology, engine={"kind": "onnxruntime"}
     )
-    yield f"127.0.0.1:{port}"
+    yield f"127.0.0.1:{port}", victim
     serve.delete("faults")
 
 
@@ -39,14 +44,15 @@ def _kill_replica(app: str, deployment: str) -> None:
     ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
 
 
-async def test_killing_the_inference_replica_loses_no_request(fault_server, photos) -> None:
+async def test_killing_a_replica_loses_no_request(fault_server, photos) -> None:
+    address, victim = fault_server
     total, killed = 40, asyncio.Event()
 
     async def requests():
         for i in range(total):
             if i == 16:  # requests 10..15 (8 images each) are still running now
                 await asyncio.sleep(0.2)
-                await asyncio.to_thread(_kill_replica, "faults", "Inference")
+                await asyncio.to_thread(_kill_replica, "faults", victim)
                 killed.set()
             burst = 10 <= i < 16
             yield pb.ClassifyRequest(
@@ -55,7 +61,7 @@ async def test_killing_the_inference_replica_loses_no_request(fault_server, phot
             if not burst:
                 await asyncio.sleep(0.05 if i < 20 else 0.5)  # the tail spans the restart
 
-    async with Client(fault_server) as client:
+    async with Client(address) as client:
         responses = [r async for r in client.stream(requests())]
     assert killed.is_set()
     assert sorted(int(r.request_id) for r in responses) == list(range(total))
@@ -70,7 +76,7 @@ async def test_killing_the_inference_replica_loses_no_request(fault_server, phot
     assert outcomes.count("ok") >= 10  # before the kill, and after the restart
     # After the restart the server answers normally again.
     for _ in range(120):
-        async with Client(fault_server) as client:
+        async with Client(address) as client:
             response = await client.classify_once([photos["coffee"]])
         if not response.error.code:
             break
