@@ -15,12 +15,13 @@ from pathlib import Path
 import grpc
 
 from clients import serve_command
+from clients.client import status_name
 from engines.base import EngineError
+from engines.calibration import IMAGE_SUFFIXES
 from engines.repository import ModelNotFoundError
 
 DEFAULT_SERVER = "127.0.0.1:9000"
 DEFAULT_CONFIG = Path("deploy/serve_config.yaml")
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 
 
 class CliError(Exception):
@@ -83,11 +84,6 @@ async def _classify(args: argparse.Namespace) -> int:
     if not args.json:
         _print_table(sorted(rows, key=lambda r: str(r.key)))
     return 1 if failed else 0
-
-
-def status_name(code: int) -> str:
-    """google.rpc.Code value -> its name (3 -> INVALID_ARGUMENT)."""
-    return next((s.name for s in grpc.StatusCode if s.value[0] == code), str(code))
 
 
 def _print_table(results: list) -> None:

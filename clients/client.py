@@ -22,7 +22,12 @@ import grpc
 from raystream.v1 import classifier_pb2 as pb
 from raystream.v1 import classifier_pb2_grpc as pb_grpc
 
-__all__ = ["Client", "ImageResult", "Label"]
+__all__ = ["Client", "ImageResult", "Label", "status_name"]
+
+
+def status_name(code: int) -> str:
+    """google.rpc.Code value -> its name (3 -> INVALID_ARGUMENT)."""
+    return next((s.name for s in grpc.StatusCode if s.value[0] == code), str(code))
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,9 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import grpc
 import numpy as np
 
-from clients.client import Client
+from clients.client import Client, status_name
 from raystream.v1 import classifier_pb2 as pb
 
 PERCENTILES = (50, 90, 95, 99)
@@ -84,7 +83,7 @@ def builtin_photos() -> tuple[bytes, ...]:
 
 
 def folder_images(folder: Path) -> tuple[bytes, ...]:
-    from clients.cli import IMAGE_SUFFIXES
+    from engines.calibration import IMAGE_SUFFIXES
 
     paths = sorted(p for p in Path(folder).rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
     if not paths:
@@ -103,20 +102,16 @@ class _Recorder:
     def record(self, sent: float, response: pb.ClassifyResponse) -> None:
         self.latencies.append((time.perf_counter() - sent) * 1000.0)
         if response.error.code:
-            self.errors[_code_name(response.error.code)] += 1
+            self.errors[status_name(response.error.code)] += 1
             return
         for result in response.results:
             if result.error.code:
-                self.errors[_code_name(result.error.code)] += 1
+                self.errors[status_name(result.error.code)] += 1
         self.images += len(response.results)
         t = response.timing
         for key in ("queue_ms", "preprocess_ms", "inference_ms", "postprocess_ms", "total_ms"):
             self.server[key] += getattr(t, key)
         self.batch_sizes.append(t.batch_size)
-
-
-def _code_name(code: int) -> str:
-    return next((s.name for s in grpc.StatusCode if s.value[0] == code), str(code))
 
 
 async def _requests(

@@ -1,8 +1,9 @@
-"""The pipeline's Ray Serve deployments: Preprocess -> Inference (@serve.batch) -> Postprocess.
+"""The pipeline's stages and their Ray Serve deployments: Preprocess -> Inference -> Postprocess.
 
-Each call carries a whole request (all of its images), so a request costs three Ray calls
-whatever its size. Inference batches across requests and streams: its batch is counted in
-images (`batch_size_fn`), not in calls.
+Each call carries a whole request (all of its images), never one image. Inference batches
+across requests and streams, counting its batch in images (serve_app/batching.py).
+Preprocessor and postprocess() are plain code, so the fused topology can host them in the
+ingress and inference replicas (serve_app/pipeline.py).
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ def _load_model(config: AppConfig) -> ModelRef:
     return resolve(config.model_repository, config.model, config.model_version)
 
 
+def _decode_limits(config: AppConfig) -> preprocessing.DecodeLimits:
+    return preprocessing.DecodeLimits(config.limits.max_image_bytes, config.limits.max_image_pixels)
+
+
 _GPU = object()  # marks an image left encoded for the GPU decoder
 
 
@@ -57,8 +62,7 @@ class Preprocessor:
 
     def __init__(self, config: AppConfig) -> None:
         self._spec = _load_model(config).spec.preprocess
-        limits = config.limits
-        self._limits = preprocessing.DecodeLimits(limits.max_image_bytes, limits.max_image_pixels)
+        self._limits = _decode_limits(config)
         self._gpu = config.decode == "gpu"
         self._pool = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="decode")
 
@@ -182,12 +186,7 @@ class Inference:
             from serve_app.gpu_decode import GpuJpegDecoder
 
             self._decode_executor = ThreadPoolExecutor(4, thread_name_prefix="nvjpeg")
-            self._gpu_decoder = GpuJpegDecoder(
-                model.spec.preprocess,
-                preprocessing.DecodeLimits(
-                    config.limits.max_image_bytes, config.limits.max_image_pixels
-                ),
-            )
+            self._gpu_decoder = GpuJpegDecoder(model.spec.preprocess, _decode_limits(config))
         self._batching = BatchingConfig()
         self._metrics = InferenceMetrics()
         self._batcher = DynamicBatcher(
