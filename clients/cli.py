@@ -148,6 +148,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_requests=args.requests,
         unary=args.unary,
         top_k=args.top_k,
+        connections=args.connections,
     )
     if args.sweep:
         values = [float(v) for v in args.sweep.split(",")]
@@ -312,6 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=10.0, help="seconds per load")
     p.add_argument("--requests", type=int, help="stop each stream after this many requests")
     p.add_argument("--unary", action="store_true", help="ClassifyOnce calls instead of streams")
+    p.add_argument(
+        "--connections",
+        type=int,
+        default=1,
+        help="spread the streams over this many TCP connections (several ingress replicas)",
+    )
     p.add_argument("--top-k", type=int, default=5)
     p.add_argument("--sweep", help="comma-separated stream counts (or rates with --rate)")
     p.add_argument("--out", type=Path, help="write bench.json (and sweep.png) here")

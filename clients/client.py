@@ -12,6 +12,7 @@ completion order, each carrying the key it was sent with.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass
@@ -91,6 +92,8 @@ class Client:
         self._options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            # one connection per Client, even to the same address (load generator)
+            ("grpc.use_local_subchannel_pool", 1),
         ]
         self._channel: grpc.aio.Channel | None = None
         self._ids = itertools.count()
@@ -150,10 +153,52 @@ class Client:
     async def stream(
         self, requests: AsyncIterable[pb.ClassifyRequest] | Iterable[pb.ClassifyRequest]
     ) -> AsyncIterator[pb.ClassifyResponse]:
-        """The raw bidi stream: send requests, receive responses (in completion order)."""
-        call = self.stub.Classify(requests, timeout=self._timeout, metadata=self._metadata)
-        async for response in call:
-            yield response
+        """The raw bidi stream: send requests, receive responses (in completion order).
+
+        Every request sent gets exactly one response. If the stream itself fails (the server
+        shuts down, a message is over the size limit, the connection drops), each request
+        still unanswered gets a response carrying the stream's status code and message,
+        and then the stream's error (grpc.aio.AioRpcError) is raised."""
+        unanswered: collections.Counter[str] = collections.Counter()
+        call = self.stub.Classify(timeout=self._timeout, metadata=self._metadata)
+
+        async def send(request: pb.ClassifyRequest) -> None:
+            unanswered[request.request_id] += 1  # counted before it can fail to go out
+            await call.write(request)
+
+        async def send_all() -> None:
+            try:
+                if isinstance(requests, AsyncIterable):
+                    async for request in requests:
+                        await send(request)
+                else:
+                    for request in requests:
+                        await send(request)
+                await call.done_writing()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                pass  # the call ended; reading the responses says why
+
+        # Our own sender task, so that once the stream fails we know exactly what was sent.
+        sender = asyncio.create_task(send_all())
+        try:
+            async for response in call:
+                unanswered[response.request_id] -= 1
+                yield response
+            await sender
+        except grpc.aio.AioRpcError as exc:
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
+            code = exc.code().value[0]
+            message = f"the stream ended before this request was answered: {exc.details()}"
+            for request_id, count in unanswered.items():
+                for _ in range(count):
+                    yield pb.ClassifyResponse(
+                        request_id=request_id, error=pb.Error(code=code, message=message)
+                    )
+            raise
+        finally:
+            sender.cancel()
+            call.cancel()
 
     async def classify(
         self,

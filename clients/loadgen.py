@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import io
 import itertools
 import random
@@ -18,6 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import grpc
 import numpy as np
 
 from clients.client import Client, status_name
@@ -37,6 +39,7 @@ class Workload:
     max_requests: int | None = None  # per stream
     unary: bool = False
     top_k: int = 5
+    connections: int = 1  # TCP connections the streams are spread over (several ingress replicas)
 
 
 @dataclass
@@ -162,21 +165,30 @@ async def _one_stream(
 
         await worker()
         return
-    async for response in client.stream(requests):
-        recorder.record(sent.pop(response.request_id), response)
-        if slots:
-            slots.release()
+    try:
+        async for response in client.stream(requests):
+            recorder.record(sent.pop(response.request_id), response)
+            if slots:
+                slots.release()
+    except grpc.aio.AioRpcError:
+        pass  # every unanswered request was recorded with the stream's status code above
 
 
 async def run_load(address: str, workload: Workload, **client_options: object) -> Report:
     """Run `workload` against `address`; `client_options` go to Client (token, TLS)."""
     recorder = _Recorder()
-    async with Client(address, **client_options) as client:
-        await client.wait_ready(timeout=30)
+    clients = [Client(address, **client_options) for _ in range(workload.connections)]
+    async with contextlib.AsyncExitStack() as stack:
+        for client in clients:
+            await stack.enter_async_context(client)
+            await client.wait_ready(timeout=30)
         start = time.perf_counter()
         deadline = start + workload.duration_s
         await asyncio.gather(
-            *(_one_stream(client, workload, recorder, deadline, i) for i in range(workload.streams))
+            *(
+                _one_stream(clients[i % len(clients)], workload, recorder, deadline, i)
+                for i in range(workload.streams)
+            )
         )
         elapsed = time.perf_counter() - start
     return _report(recorder, elapsed, workload)

@@ -44,7 +44,7 @@ def create_engine(
     if chosen == "echo":  # transport benchmarks only: fixed logits, no model
         from engines.echo import EchoEngine
 
-        return EchoEngine(model, max_batch_size=max_batch_size)
+        return EchoEngine(model, max_batch_size=max_batch_size, **options)
     if chosen == "onnxruntime":
         from engines.onnxruntime import OnnxRuntimeEngine
 

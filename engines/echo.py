@@ -6,6 +6,8 @@ engine "echo", and its logits say nothing about the image (class 0 wins, always)
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from engines.base import Engine, EngineInfo
@@ -13,7 +15,9 @@ from engines.repository import ModelRef
 
 
 class EchoEngine(Engine):
-    def __init__(self, model: ModelRef, *, max_batch_size: int = 64) -> None:
+    def __init__(self, model: ModelRef, *, max_batch_size: int = 64, delay_ms: float = 0.0) -> None:
+        """`delay_ms`: each batch takes this long, like a slow model (deadline and drain tests)."""
+        self._delay_s = delay_ms / 1000.0
         size = model.spec.preprocess.input_size
         self.info = EngineInfo(
             engine="echo",
@@ -25,6 +29,8 @@ class EchoEngine(Engine):
         )
 
     def _infer(self, batch: np.ndarray) -> np.ndarray:
+        if self._delay_s:
+            time.sleep(self._delay_s)
         logits = np.zeros((len(batch), self.info.num_classes), np.float32)
         logits[:, 0] = 1.0
         return logits

@@ -6,8 +6,9 @@ already-formed one-request batches (measured: mean batch 8 images = one request,
 of queueing, in docs/benchmarks.md). Here each of `max_concurrent` workers takes requests
 from the queue only when it is free: under load a batch holds everything that arrived while
 the engine was busy (up to `max_batch_size` images), at low load a lone request runs at once,
-and `max_delay_s` optionally waits for company. Cancelled requests are dropped before they
-reach the engine; a full queue rejects at once (`Overloaded`).
+and `max_delay_s` optionally waits for company. Cancelled requests, and requests whose
+deadline passed while queued (`DeadlineExceeded`), are dropped before they reach the engine;
+a full queue rejects at once (`Overloaded`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from serve_app.errors import Overloaded
+from serve_app.errors import DeadlineExceeded, Overloaded
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -30,6 +31,7 @@ class _Pending(Generic[T, R]):
     item: T
     size: int
     future: asyncio.Future[R]
+    deadline: float | None = None  # time.time() past which nobody waits for the result
     enqueued: float = field(default_factory=time.perf_counter)
 
 
@@ -56,27 +58,36 @@ class DynamicBatcher(Generic[T, R]):
     def queued_images(self) -> int:
         return self._queued_images
 
-    async def submit(self, item: T) -> tuple[R, float]:
-        """Run `item` in some batch; returns its result and the ms it waited in the queue."""
+    async def submit(self, item: T, deadline: float | None = None) -> tuple[R, float]:
+        """Run `item` in some batch; returns its result and the ms it waited in the queue.
+        Past `deadline` (a time.time() value) it is dropped: DeadlineExceeded."""
         size = self._size_of(item)
         if self._queued_images + size > self.max_queued:
             raise Overloaded(
                 f"inference queue is full ({self._queued_images} images waiting, "
                 f"limit {self.max_queued}); retry later"
             )
-        pending = _Pending(item, size, asyncio.get_running_loop().create_future())
+        pending = _Pending(item, size, asyncio.get_running_loop().create_future(), deadline)
         self._queue.append(pending)
         self._queued_images += size
         self._arrived.set()
         return await pending.future, (time.perf_counter() - pending.enqueued) * 1000.0
 
     def _take(self) -> list[_Pending[T, R]]:
-        batch, images = [], 0
+        batch, images, now = [], 0, time.time()
         while self._queue:
             head = self._queue[0]
             if head.future.done():  # cancelled while queued: never reaches the engine
                 self._queue.popleft()
                 self._queued_images -= head.size
+                continue
+            if head.deadline is not None and head.deadline <= now:
+                self._queue.popleft()
+                self._queued_images -= head.size
+                waited = (time.perf_counter() - head.enqueued) * 1000.0
+                head.future.set_exception(
+                    DeadlineExceeded(f"deadline passed after {waited:.0f} ms in the batch queue")
+                )
                 continue
             if batch and images + head.size > self.max_batch_size:
                 break

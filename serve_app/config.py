@@ -30,6 +30,8 @@ class LimitsConfig(_Strict):
     max_image_pixels: int = Field(40_000_000, ge=1)
     max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024)  # gRPC receive limit
     max_in_flight_per_stream: int = Field(64, ge=1)  # more are not read until one finishes
+    max_in_flight_requests: int = Field(4096, ge=1)  # all streams and calls; past it: refused
+    drain_timeout_s: float = Field(10.0, ge=0.0)  # shutdown: time to answer what was read
 
 
 class SecurityConfig(_Strict):

@@ -58,6 +58,12 @@ class Unavailable(RaystreamError):
     code = Code.UNAVAILABLE
 
 
+class DeadlineExceeded(RaystreamError):
+    """The request's deadline (its `timeout_ms`, or the call's gRPC deadline) passed first."""
+
+    code = Code.DEADLINE_EXCEEDED
+
+
 # Failures raised by Ray or asyncio rather than by us, most specific first.
 _FOREIGN_CODES: tuple[tuple[type[BaseException], Code], ...] = (
     (serve_exceptions.BackPressureError, Code.RESOURCE_EXHAUSTED),

@@ -32,14 +32,16 @@ from raystream.v1 import classifier_pb2_grpc as pb_grpc
 from serve_app.config import AppConfig, SecurityConfig
 from serve_app.errors import (
     Code,
+    DeadlineExceeded,
     DuplicateRequest,
     InvalidArgument,
     ModelNotFound,
+    Overloaded,
     code_for,
     message_for,
 )
 from serve_app.messages import Classified
-from serve_app.metrics import IngressMetrics
+from serve_app.metrics import IngressMetrics, resident_memory_bytes
 from serve_app.oip import OpenInferenceService
 from serve_app.pipeline import ChainedPipeline, FusedPipeline, Pipeline
 
@@ -66,7 +68,9 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         self._name, self._version, self._engine = model
         self._pipeline = pipeline
         self.requests_started = 0
-        self.requests_in_flight = 0  # stream requests being answered, all streams
+        self.requests_in_flight = 0  # requests being answered, all streams and calls
+        self._draining = False
+        self._readers: set[asyncio.Task] = set()  # one per open stream
         self._metrics = IngressMetrics()
         self._log_sample_rate = config.log_sample_rate
 
@@ -89,7 +93,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
 
     # -- one request ----------------------------------------------------------------------
 
-    async def _classify(self, request: pb.ClassifyRequest) -> Classified:
+    async def _classify(self, request: pb.ClassifyRequest, budget_s: float | None) -> Classified:
         self._check_model(request.model)
         top_k = self._top_k(request)
         limit = self._config.limits.max_images_per_request
@@ -97,22 +101,46 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
             raise InvalidArgument(
                 f"request has {len(request.images)} images, over the limit of {limit} per request"
             )
-        return await self._pipeline.classify(list(request.images), top_k)
+        # The deadline travels with the request, so whatever stage holds it when it passes
+        # drops it before the engine; the timeout answers the client on time meanwhile.
+        deadline = None if budget_s is None else time.time() + budget_s
+        timer = asyncio.timeout(budget_s)
+        try:
+            async with timer:
+                return await self._pipeline.classify(list(request.images), top_k, deadline)
+        except TimeoutError:
+            if not timer.expired():
+                raise
+            raise DeadlineExceeded(
+                f"no answer within the {budget_s * 1000:.0f} ms deadline"
+            ) from None
 
-    async def respond(self, request: pb.ClassifyRequest) -> pb.ClassifyResponse:
+    async def respond(
+        self, request: pb.ClassifyRequest, context: grpc.aio.ServicerContext | None = None
+    ) -> pb.ClassifyResponse:
         """One request through validation and the pipeline (the OIP service uses this)."""
-        return await self._respond(request)
+        return await self._respond(request, "unary", context)
 
     async def _respond(
-        self, request: pb.ClassifyRequest, stream: str = "unary"
+        self,
+        request: pb.ClassifyRequest,
+        stream: str = "unary",
+        context: grpc.aio.ServicerContext | None = None,
     ) -> pb.ClassifyResponse:
         """Exactly one response per request: the result, or the error that says why not."""
         start = time.perf_counter()
         response = pb.ClassifyResponse(request_id=request.request_id)
-        self.requests_started += 1
+        self.requests_in_flight += 1
+        self._metrics.in_flight.set(self.requests_in_flight)
         try:
+            if self.requests_in_flight > self._config.limits.max_in_flight_requests:
+                raise Overloaded(
+                    f"server has {self.requests_in_flight - 1} requests in flight, the limit "
+                    f"is {self._config.limits.max_in_flight_requests}; retry later"
+                )
+            self.requests_started += 1
             if request.images:
-                _fill(response, await self._classify(request))
+                _fill(response, await self._classify(request, _budget_s(request, context)))
             else:
                 self._check_model(request.model)
                 self._top_k(request)
@@ -122,6 +150,9 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
                 logger.exception("request %r failed", request.request_id)
             response.error.code, response.error.message = int(code), message_for(exc)
             del response.results[:]
+        finally:
+            self.requests_in_flight -= 1
+            self._metrics.in_flight.set(self.requests_in_flight)
         response.timing.total_ms = (time.perf_counter() - start) * 1000.0
         self._record(response, stream)
         return response
@@ -180,13 +211,9 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         tasks: set[asyncio.Task] = set()
 
         async def answer(request: pb.ClassifyRequest) -> None:
-            self.requests_in_flight += 1
-            self._metrics.in_flight.set(self.requests_in_flight)
             try:
-                response = await self._respond(request, stream)
+                response = await self._respond(request, stream, context)
             finally:
-                self.requests_in_flight -= 1
-                self._metrics.in_flight.set(self.requests_in_flight)
                 slots.release()
                 in_flight.discard(request.request_id)
             await responses.put(response)
@@ -212,10 +239,14 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
                     task = asyncio.create_task(answer(request))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
+            except asyncio.CancelledError:
+                if not self._draining:
+                    raise
             finally:
-                await responses.put(_END)
+                responses.put_nowait(_END)
 
         reader = asyncio.create_task(read())
+        self._readers.add(reader)
         try:
             reading = True
             while reading or tasks or not responses.empty():
@@ -226,12 +257,27 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
                 yield item
             reader.result()  # re-raise a transport failure while reading
         finally:
+            self._readers.discard(reader)
             reader.cancel()
             for task in tasks:
                 task.cancel()
+        if self._draining:
+            # Everything read was answered above; what the client sent after that was never
+            # read, so it is safe to send again elsewhere.
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "server is shutting down: requests not answered on this stream were not "
+                "processed; send them again",
+            )
+
+    def drain(self) -> None:
+        """Shutdown: every stream stops reading, answers what it read, then ends UNAVAILABLE."""
+        self._draining = True
+        for reader in self._readers:
+            reader.cancel()
 
     async def ClassifyOnce(self, request, context):
-        return await self._respond(request)
+        return await self._respond(request, "unary", context)
 
     async def GetModelInfo(self, request, context):
         try:
@@ -247,6 +293,18 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
             max_batch_size=self._engine.max_batch_size,
             precision=self._engine.precision,
         )
+
+
+def _budget_s(
+    request: pb.ClassifyRequest, context: grpc.aio.ServicerContext | None
+) -> float | None:
+    """Seconds this request may take: its `timeout_ms` or what is left of the call's gRPC
+    deadline (a stream's deadline bounds every request on it), whichever is sooner."""
+    budgets = [request.timeout_ms / 1000.0] if request.timeout_ms else []
+    remaining = context.time_remaining() if context is not None else None
+    if remaining is not None:
+        budgets.append(max(remaining, 0.0))
+    return min(budgets) if budgets else None
 
 
 def _code_name(code: int) -> str:
@@ -358,7 +416,9 @@ class Ingress:
             options=[
                 ("grpc.max_receive_message_length", limits.max_message_bytes),
                 ("grpc.max_send_message_length", limits.max_message_bytes),
-                ("grpc.so_reuseport", 0),
+                # A redeploy starts the new ingress replica while the old one still drains
+                # (max_surge_percent): both listen on the port until the old one stops.
+                ("grpc.so_reuseport", 1),
             ],
         )
         self._service = ClassifierService(self._config, model, pipeline)
@@ -400,13 +460,19 @@ class Ingress:
         """Requests that reached the pipeline (tests: rejected calls must not count)."""
         return self._service.requests_started
 
+    def memory_bytes(self) -> int:
+        """Resident memory of this replica's process (soak test)."""
+        return resident_memory_bytes()
+
     def requests_in_flight(self) -> int:
-        """Stream requests being answered now (tests: disconnects must leave none)."""
+        """Requests being answered now (tests: disconnects must leave none)."""
         return self._service.requests_in_flight
 
     async def __del__(self) -> None:
-        # Ray Serve calls __del__ when it stops a replica: report NOT_SERVING so balancers
-        # drain, then let in-flight calls finish briefly.
+        # Ray Serve calls __del__ when it stops a replica (delete, redeploy, scale-down):
+        # report NOT_SERVING so balancers move on, refuse new calls, stop reading streams,
+        # and give what was read `drain_timeout_s` to be answered.
         if self._server is not None:
             await self._health.enter_graceful_shutdown()
-            await self._server.stop(grace=5.0)
+            self._service.drain()
+            await self._server.stop(grace=self._config.limits.drain_timeout_s)

@@ -39,6 +39,8 @@ class Preprocessed:
     # decode: gpu: JPEGs whose headers passed the checks, still encoded, and their positions
     jpegs: tuple[bytes, ...] = ()
     jpeg_indices: tuple[int, ...] = ()
+    # time.time() after which nobody waits for the answer: the engine skips the request
+    deadline: float | None = None
 
 
 @dataclass(frozen=True)

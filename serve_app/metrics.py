@@ -6,7 +6,7 @@ Ray prefixes every name with `ray_`). Named and labelled after Triton's `nv_infe
     raystream_request_duration_ms              end to end in the ingress (histogram)
     raystream_{queue,preprocess,compute,postprocess}_duration_ms   per-stage (histograms)
     raystream_batch_size                       images per engine batch (histogram)
-    raystream_requests_in_flight               stream requests being answered (gauge)
+    raystream_requests_in_flight               requests being answered (gauge)
     raystream_rejected_request_total{code}     requests refused: overload, duplicate id, limits
 
 Serve adds the deployment, replica and application tags.
@@ -14,6 +14,7 @@ Serve adds the deployment, replica and application tags.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 from ray.serve.metrics import Counter, Gauge, Histogram
@@ -21,6 +22,12 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 LATENCY_MS = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
 BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 REJECTED_CODES = {"RESOURCE_EXHAUSTED", "ALREADY_EXISTS", "INVALID_ARGUMENT"}
+
+
+def resident_memory_bytes() -> int:
+    """This process's resident memory (Linux), for the soak test and operators' probes."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class IngressMetrics:

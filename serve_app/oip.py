@@ -114,14 +114,15 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
                 f"server serves {self._name!r} version {self._version!r}",
             )
 
-    async def _infer(self, request: oip.ModelInferRequest) -> oip.ModelInferResponse:
+    async def _infer(self, request: oip.ModelInferRequest, context) -> oip.ModelInferResponse:
         self._check_model(request.model_name, request.model_version)
         images = _images(request)
         wanted = _top_k(request, self._engine.num_classes)
         answer = await self._classifier.respond(
             pb.ClassifyRequest(
                 request_id=request.id, images=images, top_k=max(wanted.values()), model=""
-            )
+            ),
+            context,
         )
         if answer.error.code:
             raise _Rejected(_status(answer.error.code), answer.error.message)
@@ -154,14 +155,16 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         try:
-            return await self._infer(request)
+            return await self._infer(request, context)
         except _Rejected as exc:
             await context.abort(exc.code, str(exc))
 
     async def ModelStreamInfer(self, request_iterator, context):
         async for request in request_iterator:
             try:
-                yield oip.ModelStreamInferResponse(infer_response=await self._infer(request))
+                yield oip.ModelStreamInferResponse(
+                    infer_response=await self._infer(request, context)
+                )
             except _Rejected as exc:
                 yield oip.ModelStreamInferResponse(
                     error_message=f"{exc.code.name}: {exc}",

@@ -23,7 +23,12 @@ from serve_app.stages import Preprocessor
 
 
 class Pipeline(Protocol):
-    async def classify(self, images: list[bytes], top_k: int) -> Classified: ...
+    async def classify(
+        self, images: list[bytes], top_k: int, deadline: float | None = None
+    ) -> Classified:
+        """`deadline` (a time.time() value): past it, the request's work is dropped wherever
+        it is waiting, before the engine (DeadlineExceeded)."""
+        ...
 
 
 class ChainedPipeline:
@@ -35,8 +40,10 @@ class ChainedPipeline:
     ) -> None:
         self._preprocess, self._inference, self._postprocess = preprocess, inference, postprocess
 
-    async def classify(self, images: list[bytes], top_k: int) -> Classified:
-        preprocessed = self._preprocess.remote(images)
+    async def classify(
+        self, images: list[bytes], top_k: int, deadline: float | None = None
+    ) -> Classified:
+        preprocessed = self._preprocess.remote(images, deadline)
         inferred = self._inference.remote(preprocessed)
         return await self._postprocess.remote(inferred, top_k)
 
@@ -61,9 +68,11 @@ class FusedPipeline:
     async def _call(self, items: list[tuple[Preprocessed, int]]) -> list[Classified | Exception]:
         return await self._inference.classify_many.remote(items)
 
-    async def classify(self, images: list[bytes], top_k: int) -> Classified:
-        preprocessed = await self._preprocessor.run(images)
-        result, _ = await self._calls.submit((preprocessed, top_k))
+    async def classify(
+        self, images: list[bytes], top_k: int, deadline: float | None = None
+    ) -> Classified:
+        preprocessed = await self._preprocessor.run(images, deadline)
+        result, _ = await self._calls.submit((preprocessed, top_k), deadline)
         if isinstance(result, Exception):
             raise result
         return result

@@ -24,7 +24,7 @@ from engines.repository import ModelRef, resolve
 from serve_app import postprocessing, preprocessing
 from serve_app.batching import DynamicBatcher
 from serve_app.config import AppConfig, BatchingConfig
-from serve_app.errors import InvalidArgument, InvalidImage
+from serve_app.errors import DeadlineExceeded, InvalidArgument, InvalidImage
 from serve_app.messages import (
     Classified,
     ImageFailure,
@@ -33,7 +33,7 @@ from serve_app.messages import (
     Preprocessed,
     StageTiming,
 )
-from serve_app.metrics import InferenceMetrics
+from serve_app.metrics import InferenceMetrics, resident_memory_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,12 @@ def _ms_since(start: float) -> float:
 
 def _load_model(config: AppConfig) -> ModelRef:
     return resolve(config.model_repository, config.model, config.model_version)
+
+
+def check_deadline(deadline: float | None, where: str) -> None:
+    """Work for a request nobody waits for any more stops here, before the engine."""
+    if deadline is not None and time.time() >= deadline:
+        raise DeadlineExceeded(f"deadline passed before {where}")
 
 
 def _decode_limits(config: AppConfig) -> preprocessing.DecodeLimits:
@@ -76,7 +82,8 @@ class Preprocessor:
         except InvalidImage as exc:
             return ImageFailure(-1, int(exc.code), str(exc))
 
-    async def run(self, images: list[bytes]) -> Preprocessed:
+    async def run(self, images: list[bytes], deadline: float | None = None) -> Preprocessed:
+        check_deadline(deadline, "decoding")
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
         decoded = await asyncio.gather(
@@ -101,6 +108,7 @@ class Preprocessor:
             timing=StageTiming(preprocess_ms=_ms_since(start)),
             jpegs=tuple(images[i] for i in jpeg_indices),
             jpeg_indices=jpeg_indices,
+            deadline=deadline,
         )
 
 
@@ -125,8 +133,8 @@ class Preprocess:
     def __init__(self, config: dict) -> None:
         self._preprocessor = Preprocessor(AppConfig.model_validate(config))
 
-    async def __call__(self, images: list[bytes]) -> Preprocessed:
-        return await self._preprocessor.run(images)
+    async def __call__(self, images: list[bytes], deadline: float | None = None) -> Preprocessed:
+        return await self._preprocessor.run(images, deadline)
 
 
 @dataclass(frozen=True)
@@ -189,6 +197,7 @@ class Inference:
             self._gpu_decoder = GpuJpegDecoder(model.spec.preprocess, _decode_limits(config))
         self._batching = BatchingConfig()
         self._metrics = InferenceMetrics()
+        self._images_inferred = 0
         self._batcher = DynamicBatcher(
             self._run_engine,
             len,
@@ -216,6 +225,22 @@ class Inference:
     def info(self) -> tuple[str, str, EngineInfo]:
         return self._spec.name, self._spec.version, self._engine.info
 
+    def images_inferred(self) -> int:
+        """Images this replica's engine has run (tests: dropped work must not count)."""
+        return self._images_inferred
+
+    def memory_bytes(self) -> int:
+        """Resident memory of this replica's process (soak test)."""
+        return resident_memory_bytes()
+
+    def replica_id(self) -> str:
+        """This replica's Serve id (operators and tests: which replica answered)."""
+        return serve.get_replica_context().replica_id.unique_id
+
+    def batching(self) -> dict:
+        """The batching settings in force (tests: user_config changes apply live)."""
+        return self._batching.model_dump()
+
     async def _run_engine(self, chunks: list[np.ndarray]) -> list[_Ran]:
         """One engine batch from several requests' pixels; split back per request."""
         start = time.perf_counter()
@@ -224,6 +249,7 @@ class Inference:
             self._executor, self._engine.infer_uint8, pixels, self._mean, self._std
         )
         inference_ms = _ms_since(start)
+        self._images_inferred += len(pixels)
         self._metrics.batch_size.observe(len(pixels))
         bounds = np.cumsum([0] + [len(chunk) for chunk in chunks])
         return [
@@ -240,12 +266,12 @@ class Inference:
     async def _serve_batch(self, items: list[_Queued]) -> list[_Ran]:
         return await self._run_engine([item.pixels for item in items])
 
-    async def _submit(self, chunk: np.ndarray) -> tuple[_Ran, float]:
+    async def _submit(self, chunk: np.ndarray, deadline: float | None) -> tuple[_Ran, float]:
         """Run one chunk in a batch: (its result, ms it queued)."""
-        if self._batching.batcher == "serve":
+        if self._batching.batcher == "serve":  # @serve.batch has no deadlines: checked before
             ran = await self._serve_batch(_Queued(chunk, time.perf_counter()))
             return ran, 0.0
-        return await self._batcher.submit(chunk)
+        return await self._batcher.submit(chunk, deadline)
 
     async def classify_many(
         self, items: list[tuple[Preprocessed, int]]
@@ -293,6 +319,7 @@ class Inference:
         )
 
     async def _infer(self, pre: Preprocessed) -> Inferred:
+        check_deadline(pre.deadline, "inference")
         if pre.jpegs:
             if self._gpu_decoder is None:
                 raise InvalidArgument(
@@ -310,7 +337,7 @@ class Inference:
         step = self._batching.max_batch_size
         start = time.perf_counter()
         chunks = [pre.pixels[i : i + step] for i in range(0, len(pre.pixels), step)]
-        ran = await asyncio.gather(*(self._submit(chunk) for chunk in chunks))
+        ran = await asyncio.gather(*(self._submit(chunk, pre.deadline) for chunk in chunks))
         timing = dataclasses.replace(
             pre.timing,
             queue_ms=max((r.started - start) * 1000.0 for r, _ in ran),

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from serve_app.batching import DynamicBatcher
-from serve_app.errors import Overloaded
+from serve_app.errors import DeadlineExceeded, Overloaded
 
 
 class GatedEngine:
@@ -50,6 +51,23 @@ async def test_cancelled_requests_never_reach_the_engine() -> None:
     await asyncio.sleep(0)
     doomed.cancel()
     engine.gate.set()
+    assert (await first)[0] == 1 and (await kept)[0] == 5
+    assert engine.batches == [[1], [1]]
+    assert batcher.queued_images == 0
+    await batcher.close()
+
+
+async def test_requests_past_their_deadline_never_reach_the_engine() -> None:
+    engine = GatedEngine()
+    batcher = DynamicBatcher(engine.run, len, max_batch_size=10)
+    first = asyncio.create_task(batcher.submit([1]))
+    await engine.started.wait()
+    expired = asyncio.create_task(batcher.submit([7, 7], deadline=time.time() + 0.01))
+    kept = asyncio.create_task(batcher.submit([5], deadline=time.time() + 60))
+    await asyncio.sleep(0.05)  # the first deadline passes while the engine is busy
+    engine.gate.set()
+    with pytest.raises(DeadlineExceeded, match="batch queue"):
+        await expired
     assert (await first)[0] == 1 and (await kept)[0] == 5
     assert engine.batches == [[1], [1]]
     assert batcher.queued_images == 0

@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ClassifyRequest(_message.Message):
-    __slots__ = ("request_id", "images", "top_k", "model")
+    __slots__ = ("request_id", "images", "top_k", "model", "timeout_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     images: _containers.RepeatedScalarFieldContainer[bytes]
     top_k: int
     model: str
-    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., top_k: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    timeout_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., top_k: _Optional[int] = ..., model: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class ClassifyResponse(_message.Message):
     __slots__ = ("request_id", "results", "timing", "error")

@@ -1,0 +1,113 @@
+"""Deadlines, cancellation and the message-size limit, against a real server whose engine is
+slow on purpose (the echo engine with `delay_ms`: these tests are about transport, and a
+slow engine makes "still queued when the deadline passed" certain rather than likely)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from clients.client import Client
+from raystream.v1 import classifier_pb2 as pb
+
+from conftest import start_app
+
+pytestmark = pytest.mark.slow
+
+ENGINE_DELAY_MS = 400
+MAX_MESSAGE_BYTES = 256 * 1024
+
+
+@pytest.fixture(scope="module")
+def slow_server(ray_cluster, model_repository):
+    from ray import serve
+
+    port, _ = start_app(
+        "slow",
+        model_repository,
+        topology="fused",
+        engine={"kind": "echo", "options": {"delay_ms": ENGINE_DELAY_MS}},
+        limits={"max_message_bytes": MAX_MESSAGE_BYTES},
+    )
+    yield f"127.0.0.1:{port}"
+    serve.delete("slow")
+
+
+async def _images_inferred() -> int:
+    from ray import serve
+
+    return await serve.get_deployment_handle("Inference", "slow").images_inferred.remote()
+
+
+async def _paced(requests: list[pb.ClassifyRequest], gap_s: float):
+    for request in requests:
+        yield request
+        await asyncio.sleep(gap_s)
+
+
+async def test_a_request_past_its_timeout_is_answered_on_time_and_never_runs(
+    slow_server, photos
+) -> None:
+    image = photos["chelsea"]
+    before = await _images_inferred()
+    requests = [
+        pb.ClassifyRequest(request_id="busy", images=[image]),  # holds the engine 400 ms
+        pb.ClassifyRequest(request_id="late", images=[image] * 3, timeout_ms=100),
+        pb.ClassifyRequest(request_id="patient", images=[image], timeout_ms=30_000),
+    ]
+    async with Client(slow_server) as client:
+        responses = [r async for r in client.stream(_paced(requests, 0.05))]
+    by_id = {r.request_id: r for r in responses}
+    assert len(responses) == 3 and set(by_id) == {"busy", "late", "patient"}
+    late = by_id["late"]
+    assert late.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert "100 ms deadline" in late.error.message
+    assert late.timing.total_ms < ENGINE_DELAY_MS  # answered at its deadline, not after
+    assert responses[0].request_id == "late"  # before the request that held the engine
+    assert by_id["busy"].error.code == 0 and by_id["patient"].error.code == 0
+    # The engine ran "busy" and "patient" (one image each), never the 3 images of "late".
+    assert await _images_inferred() - before == 2
+
+
+async def test_a_unary_grpc_deadline_drops_the_work_before_the_engine(slow_server, photos) -> None:
+    image = photos["coffee"]
+    before = await _images_inferred()
+    async with Client(slow_server) as client:
+        busy = asyncio.create_task(client.classify_once([image]))
+        await asyncio.sleep(0.05)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await client.stub.ClassifyOnce(
+                pb.ClassifyRequest(request_id="x", images=[image] * 4), timeout=0.1
+            )
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert (await busy).error.code == 0
+        await asyncio.sleep(ENGINE_DELAY_MS / 1000 * 2)  # the engine is free again
+    assert await _images_inferred() - before == 1
+
+
+async def test_a_message_over_the_size_limit_ends_its_stream_with_resource_exhausted(
+    slow_server, photos
+) -> None:
+    """gRPC enforces `max_message_bytes` itself and ends the whole stream with
+    RESOURCE_EXHAUSTED; the client library answers every request left on it with that code."""
+    huge = b"\xff\xd8" + bytes(MAX_MESSAGE_BYTES)  # over the limit before any decoding
+    requests = [
+        pb.ClassifyRequest(request_id="ok", images=[photos["chelsea"]]),
+        pb.ClassifyRequest(request_id="huge", images=[huge]),
+        pb.ClassifyRequest(request_id="after", images=[photos["chelsea"]]),
+    ]
+    responses = []
+    async with Client(slow_server) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            async for response in client.stream(_paced(requests, 0.1)):
+                responses.append(response)
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "larger than max" in raised.value.details()
+        by_id = {r.request_id: r for r in responses}
+        assert sorted(by_id) == ["after", "huge", "ok"] and len(responses) == 3
+        assert by_id["huge"].error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        # The server goes on: a new stream on the same channel is served.
+        again = [r async for r in client.stream([requests[0]])]
+    assert again[0].error.code == 0 and again[0].results[0].labels

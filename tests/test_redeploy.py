@@ -1,0 +1,169 @@
+"""Redeploy and shutdown under load, through a Serve config applied the way `serve deploy`
+applies it: a `user_config` change reaches the running replica without a restart; a change
+that restarts replicas drains the old ingress (what it read is answered, the rest of the
+stream gets UNAVAILABLE) while new streams on the same port reach the new one; deleting the
+application answers every request and then refuses new calls. The engine is the echo engine
+with a delay (these tests are about transport)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+
+import grpc
+import pytest
+
+from clients.client import Client
+from raystream.v1 import classifier_pb2 as pb
+
+from conftest import _free_port
+
+pytestmark = pytest.mark.slow
+
+APP = "redeploy"
+OK, UNAVAILABLE = 0, grpc.StatusCode.UNAVAILABLE.value[0]
+
+
+def _deploy(model_repository, port: int, *, max_batch_size: int, log_sample_rate: float) -> None:
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    config = ServeDeploySchema.model_validate(
+        {
+            "proxy_location": "Disabled",
+            "applications": [
+                {
+                    "name": APP,
+                    "route_prefix": None,
+                    "import_path": "serve_app.app:build_app",
+                    "args": {
+                        "port": port,
+                        "model_repository": str(model_repository),
+                        "topology": "fused",
+                        "engine": {"kind": "echo", "options": {"delay_ms": 50}},
+                        "log_sample_rate": log_sample_rate,
+                    },
+                    "deployments": [
+                        {"name": "Ingress", "max_surge_percent": 100},
+                        {"name": "Inference", "user_config": {"max_batch_size": max_batch_size}},
+                    ],
+                }
+            ],
+        }
+    )
+    serve.start(proxy_location="Disabled")
+    _get_global_client().deploy_apps(config, _blocking=True)
+
+
+def _inference():
+    from ray import serve
+
+    return serve.get_deployment_handle("Inference", APP)
+
+
+@pytest.fixture(scope="module")
+def port(ray_cluster, model_repository) -> int:
+    port = _free_port()
+    _deploy(model_repository, port, max_batch_size=8, log_sample_rate=0.0)
+    return port
+
+
+class Traffic:
+    """One stream sending a 1-image request every 20 ms until stopped; records answers."""
+
+    def __init__(self, address: str, image: bytes) -> None:
+        self._address, self._image = address, image
+        self.sent: list[str] = []
+        self.answers: collections.defaultdict[str, list[int]] = collections.defaultdict(list)
+        self.stream_error: grpc.aio.AioRpcError | None = None
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(self._run())
+
+    async def _requests(self):
+        for i in itertools.count():
+            if self._stop.is_set():
+                return
+            self.sent.append(f"r{i}")
+            yield pb.ClassifyRequest(request_id=f"r{i}", images=[self._image])
+            await asyncio.sleep(0.02)
+
+    async def _run(self) -> None:
+        async with Client(self._address) as client:
+            try:
+                async for response in client.stream(self._requests()):
+                    self.answers[response.request_id].append(response.error.code)
+            except grpc.aio.AioRpcError as exc:
+                self.stream_error = exc
+
+    async def answered(self, count: int) -> None:
+        while sum(map(len, self.answers.values())) < count:
+            await asyncio.sleep(0.05)
+
+    async def finish(self, timeout: float = 60.0) -> None:
+        self._stop.set()
+        await asyncio.wait_for(self._task, timeout)
+
+    def codes(self) -> collections.Counter[int]:
+        assert sorted(self.answers) == sorted(self.sent)  # every request answered ...
+        assert all(len(codes) == 1 for codes in self.answers.values())  # ... exactly once
+        return collections.Counter(codes[0] for codes in self.answers.values())
+
+
+async def test_user_config_change_applies_to_the_running_replica(
+    port, model_repository, photos
+) -> None:
+    inference = _inference()
+    replica = await inference.replica_id.remote()
+    assert (await inference.batching.remote())["max_batch_size"] == 8
+    traffic = Traffic(f"127.0.0.1:{port}", photos["chelsea"])
+    await traffic.answered(5)
+    await asyncio.to_thread(_deploy, model_repository, port, max_batch_size=2, log_sample_rate=0.0)
+    for _ in range(100):
+        if (await inference.batching.remote())["max_batch_size"] == 2:
+            break
+        await asyncio.sleep(0.1)
+    assert (await inference.batching.remote())["max_batch_size"] == 2
+    assert await inference.replica_id.remote() == replica  # reconfigured, not restarted
+    answered = sum(map(len, traffic.answers.values()))
+    await traffic.answered(answered + 5)
+    await traffic.finish()
+    assert traffic.stream_error is None  # the stream never noticed
+    assert set(traffic.codes()) == {OK}
+
+
+async def test_a_restarting_redeploy_drains_old_streams_onto_the_new_replica(
+    port, model_repository, photos
+) -> None:
+    old = await _inference().replica_id.remote()
+    traffic = Traffic(f"127.0.0.1:{port}", photos["chelsea"])
+    await traffic.answered(5)
+    # New args change the application's code version: every replica is replaced.
+    await asyncio.to_thread(_deploy, model_repository, port, max_batch_size=2, log_sample_rate=0.5)
+    await asyncio.wait_for(traffic._task, 90)  # the old ingress ends the stream
+    assert traffic.stream_error is not None
+    assert traffic.stream_error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "shutting down" in traffic.stream_error.details()
+    codes = traffic.codes()
+    assert set(codes) <= {OK, UNAVAILABLE} and codes[OK] >= 5
+    # The same port now reaches the new replicas.
+    async with Client(f"127.0.0.1:{port}") as client:
+        response = await client.classify_once([photos["coffee"]])
+    assert response.error.code == OK
+    assert await _inference().replica_id.remote() != old
+
+
+async def test_deleting_the_app_answers_every_request_then_refuses_calls(port, photos) -> None:
+    from ray import serve
+
+    traffic = Traffic(f"127.0.0.1:{port}", photos["chelsea"])
+    await traffic.answered(5)
+    await asyncio.to_thread(serve.delete, APP)
+    await traffic.finish()
+    codes = traffic.codes()
+    assert set(codes) <= {OK, UNAVAILABLE} and codes[OK] >= 5
+    async with Client(f"127.0.0.1:{port}") as client:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.classify_once([photos["coffee"]])
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
