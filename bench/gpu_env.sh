@@ -6,7 +6,10 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/site
-[ -f /tmp/site/.unpacked ] || { tar xJf .gpu/site.tar.xz -C /tmp/site && touch /tmp/site/.unpacked; }
+stamp=$(stat -c %s-%Y .gpu/site.tar.xz)  # unpack again when the bundle changes
+[ "$(cat /tmp/site/.unpacked 2>/dev/null)" = "$stamp" ] || {
+  rm -rf /tmp/site && mkdir -p /tmp/site && tar xJf .gpu/site.tar.xz -C /tmp/site \
+    && echo "$stamp" > /tmp/site/.unpacked; }
 export PYTHONPATH=/tmp/site:$PWD:$PWD/protos PATH=/tmp/site/bin:$PATH
 export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0
 printf '#!/bin/sh\nexec python3 -m clients.cli "$@"\n' > /tmp/site/bin/raystream

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,18 @@ def _serve_config(path: Path, overrides: dict) -> tuple[dict, object]:
     return config, validated
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """The ingress listens with SO_REUSEPORT (so a redeploy can overlap the old replica), so
+    a second server on a busy port would silently share it: refuse before starting."""
+    probe = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+    with socket.socket(socket.AF_INET6 if ":" in probe else socket.AF_INET) as s:
+        s.settimeout(1.0)
+        if s.connect_ex((probe, port)) == 0:
+            raise ConfigError(
+                f"something already listens on {host}:{port}; stop it or choose another --port"
+            )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Validate the config, start `serve run` in the foreground, print when it answers."""
     import yaml
@@ -72,6 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         resolve(app.model_repository, app.model, app.model_version)
     except ModelNotFoundError as exc:
         raise ConfigError(str(exc)) from None
+    _check_port_free(app.host, app.port)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(config, f)
     # The Serve CLI through this interpreter: works in a venv and on machines where the

@@ -46,11 +46,16 @@ def test_config_errors_name_the_field() -> None:
 
 
 def test_serve_reports_config_errors_before_starting_anything() -> None:
+    import socket
     import subprocess
     import sys
 
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
     for args, expected in (
         (["--port", "99999"], "port"),
+        (["--port", str(busy.getsockname()[1])], "already listens"),
         (["--config", "nope.yaml"], "not found"),
         (["--model-repository", "/nonexistent"], "raystream export"),
     ):
@@ -63,6 +68,7 @@ def test_serve_reports_config_errors_before_starting_anything() -> None:
         )
         assert result.returncode == 2, result.stderr
         assert expected in result.stderr and "Traceback" not in result.stderr
+    busy.close()
 
 
 def test_kuberay_rayservice_embeds_a_valid_serve_config() -> None:
