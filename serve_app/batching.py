@@ -9,6 +9,9 @@ the engine was busy (up to `max_batch_size` images), at low load a lone request 
 and `max_delay_s` optionally waits for company. Cancelled requests, and requests whose
 deadline passed while queued (`DeadlineExceeded`), are dropped before they reach the engine;
 a full queue rejects at once (`Overloaded`).
+
+`AdaptiveWait` picks `max_delay_s` at run time: the longest wait (so the largest batches)
+that keeps the measured p99 of queue + engine time under a target.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
+
+import numpy as np
 
 from serve_app.errors import DeadlineExceeded, Overloaded
 
@@ -35,6 +40,44 @@ class _Pending(Generic[T, R]):
     enqueued: float = field(default_factory=time.perf_counter)
 
 
+class AdaptiveWait:
+    """Additive increase, multiplicative decrease of the batch wait against a p99 target.
+
+    Every `every` completed requests it looks at the last `window` latencies (queue + engine,
+    in this replica): p99 over the target halves the wait (and a tiny wait becomes 0); p99
+    under `headroom` of the target adds `step_s`, up to `max_wait_s`. Under light load the
+    wait buys bigger batches while latency allows; as load or engine time grows, it backs off.
+    """
+
+    def __init__(
+        self,
+        target_p99_ms: float,
+        max_wait_s: float,
+        *,
+        window: int = 256,
+        every: int = 32,
+        headroom: float = 0.7,
+    ) -> None:
+        self.target_p99_ms, self.max_wait_s = target_p99_ms, max_wait_s
+        self.step_s = target_p99_ms / 1000.0 / 50
+        self.wait_s = 0.0
+        self._latencies: collections.deque[float] = collections.deque(maxlen=window)
+        self._every, self._headroom, self._seen = every, headroom, 0
+
+    def observe(self, latency_ms: float) -> None:
+        self._latencies.append(latency_ms)
+        self._seen += 1
+        if self._seen % self._every == 0:
+            self._adjust()
+
+    def _adjust(self) -> None:
+        p99 = float(np.percentile(np.fromiter(self._latencies, float), 99))
+        if p99 > self.target_p99_ms:
+            self.wait_s = self.wait_s / 2 if self.wait_s > self.step_s else 0.0
+        elif p99 < self._headroom * self.target_p99_ms:
+            self.wait_s = min(self.max_wait_s, self.wait_s + self.step_s)
+
+
 class DynamicBatcher(Generic[T, R]):
     def __init__(
         self,
@@ -49,6 +92,7 @@ class DynamicBatcher(Generic[T, R]):
         self._run, self._size_of = run, size_of
         self.max_batch_size, self.max_delay_s = max_batch_size, max_delay_s
         self.max_queued = max_queued  # images waiting; past this, submit() raises Overloaded
+        self.adaptive: AdaptiveWait | None = None  # set: it chooses max_delay_s
         self._queue: collections.deque[_Pending[T, R]] = collections.deque()
         self._queued_images = 0
         self._arrived = asyncio.Event()
@@ -71,7 +115,11 @@ class DynamicBatcher(Generic[T, R]):
         self._queue.append(pending)
         self._queued_images += size
         self._arrived.set()
-        return await pending.future, (time.perf_counter() - pending.enqueued) * 1000.0
+        result = await pending.future
+        if self.adaptive is not None:
+            self.adaptive.observe((time.perf_counter() - pending.enqueued) * 1000.0)
+            self.max_delay_s = self.adaptive.wait_s
+        return result, (time.perf_counter() - pending.enqueued) * 1000.0
 
     def _take(self) -> list[_Pending[T, R]]:
         batch, images, now = [], 0, time.time()
@@ -104,7 +152,7 @@ class DynamicBatcher(Generic[T, R]):
             if self.max_delay_s > 0:
                 first = self._queue[0].enqueued
                 while (
-                    sum(p.size for p in self._queue) < self.max_batch_size
+                    self._queued_images < self.max_batch_size
                     and time.perf_counter() - first < self.max_delay_s
                 ):
                     self._arrived.clear()

@@ -95,3 +95,13 @@ class BatchingConfig(_Strict):
     # Serve's @serve.batch (forms batches eagerly; for comparison).
     batcher: Literal["dynamic", "serve"] = "dynamic"
     max_queued_images: int = Field(4096, ge=1)  # past this, requests get RESOURCE_EXHAUSTED
+    # > 0: adaptive mode (batcher: dynamic): the wait is chosen at run time, up to
+    # batch_wait_timeout_s, as the longest that keeps the p99 of queue + engine time in the
+    # replica under this many ms (serve_app/batching.py, AdaptiveWait).
+    target_p99_ms: float = Field(0.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _adaptive_needs_a_ceiling(self) -> BatchingConfig:
+        if self.target_p99_ms > 0 and self.batch_wait_timeout_s == 0:
+            raise ValueError("target_p99_ms needs batch_wait_timeout_s > 0: the longest wait")
+        return self

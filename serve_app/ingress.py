@@ -19,6 +19,7 @@ import time
 import uuid
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from ray import serve
@@ -40,7 +41,7 @@ from serve_app.errors import (
     code_for,
     message_for,
 )
-from serve_app.messages import Classified
+from serve_app.messages import Classified, Preprocessed
 from serve_app.metrics import IngressMetrics, resident_memory_bytes
 from serve_app.oip import OpenInferenceService
 from serve_app.pipeline import ChainedPipeline, FusedPipeline, Pipeline
@@ -93,13 +94,16 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
 
     # -- one request ----------------------------------------------------------------------
 
-    async def _classify(self, request: pb.ClassifyRequest, budget_s: float | None) -> Classified:
+    async def _classify(
+        self, request: pb.ClassifyRequest, budget_s: float | None, pixels: np.ndarray | None
+    ) -> Classified:
         self._check_model(request.model)
         top_k = self._top_k(request)
         limit = self._config.limits.max_images_per_request
-        if len(request.images) > limit:
+        count = len(request.images) if pixels is None else len(pixels)
+        if count > limit:
             raise InvalidArgument(
-                f"request has {len(request.images)} images, over the limit of {limit} per request"
+                f"request has {count} images, over the limit of {limit} per request"
             )
         # The deadline travels with the request, so whatever stage holds it when it passes
         # drops it before the engine; the timeout answers the client on time meanwhile.
@@ -107,6 +111,9 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         timer = asyncio.timeout(budget_s)
         try:
             async with timer:
+                if pixels is not None:
+                    pre = Preprocessed(len(pixels), pixels, tuple(range(len(pixels))), ())
+                    return await self._pipeline.classify_preprocessed(pre, top_k, deadline)
                 return await self._pipeline.classify(list(request.images), top_k, deadline)
         except TimeoutError:
             if not timer.expired():
@@ -116,16 +123,21 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
             ) from None
 
     async def respond(
-        self, request: pb.ClassifyRequest, context: grpc.aio.ServicerContext | None = None
+        self,
+        request: pb.ClassifyRequest,
+        context: grpc.aio.ServicerContext | None = None,
+        pixels: np.ndarray | None = None,
     ) -> pb.ClassifyResponse:
-        """One request through validation and the pipeline (the OIP service uses this)."""
-        return await self._respond(request, "unary", context)
+        """One request through validation and the pipeline (the OIP service uses this);
+        `pixels`: float32 (N, C, H, W) the client preprocessed, in place of `images`."""
+        return await self._respond(request, "unary", context, pixels)
 
     async def _respond(
         self,
         request: pb.ClassifyRequest,
         stream: str = "unary",
         context: grpc.aio.ServicerContext | None = None,
+        pixels: np.ndarray | None = None,
     ) -> pb.ClassifyResponse:
         """Exactly one response per request: the result, or the error that says why not."""
         start = time.perf_counter()
@@ -139,8 +151,9 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
                     f"is {self._config.limits.max_in_flight_requests}; retry later"
                 )
             self.requests_started += 1
-            if request.images:
-                _fill(response, await self._classify(request, _budget_s(request, context)))
+            if request.images or pixels is not None:
+                budget = _budget_s(request, context)
+                _fill(response, await self._classify(request, budget, pixels))
             else:
                 self._check_model(request.model)
                 self._top_k(request)

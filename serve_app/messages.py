@@ -32,7 +32,9 @@ class Preprocessed:
     """One request's images, decoded: the good ones as pixels, the bad ones as failures."""
 
     count: int  # images in the request
-    pixels: np.ndarray  # uint8 (len(indices), H, W, 3)
+    # uint8 (len(indices), H, W, 3) crops; or, from a client that preprocessed them itself
+    # (Open Inference Protocol), float32 (len(indices), 3, H, W) as the model takes them
+    pixels: np.ndarray
     indices: tuple[int, ...]  # request position of each row of `pixels`
     failures: tuple[ImageFailure, ...]
     timing: StageTiming = field(default_factory=StageTiming)

@@ -4,13 +4,15 @@ raystream pipeline: the same ingress, validation, batching and errors as raystre
 Model interface:
 - input `images`: BYTES, shape [N] (or [N, 1]), one encoded image per element, in
   `raw_input_contents` (4-byte little-endian length before each element) or `bytes_contents`.
+- or input `pixels`: FP32 [N, C, H, W] at the model's input size, already preprocessed as the
+  model expects (resized, cropped, normalized with its mean/std), raw or `fp32_contents`;
+  it skips decoding and batches apart from decoded crops in the inference replica.
 - output `probabilities`: FP32 [N, classes], softmax scores (the default output).
 - output `labels` (or any requested output with the `classification` parameter k, Triton's
   classification extension): BYTES [N, k], elements "score:class_id:name", best first.
 OIP has no per-item errors: a request with a bad image fails as a whole with
-INVALID_ARGUMENT naming the image. Preprocessed FP32 input is not supported yet
-(UNIMPLEMENTED). ModelStreamInfer answers each request in its own ModelStreamInferResponse,
-with `error_message` set when it failed; the stream goes on.
+INVALID_ARGUMENT naming the image. ModelStreamInfer answers each request in its own
+ModelStreamInferResponse, with `error_message` set when it failed; the stream goes on.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from raystream.v1 import classifier_pb2 as pb
 
 INPUT, SCORES, LABELS = "images", "probabilities", "labels"
+PIXELS = "pixels"  # FP32 (N, C, H, W), preprocessed by the client as the model expects
 
 
 class _Rejected(Exception):
@@ -52,18 +55,42 @@ def _encode_bytes(elements: list[bytes]) -> bytes:
     return b"".join(struct.pack("<I", len(e)) + e for e in elements)
 
 
-def _images(request: oip.ModelInferRequest) -> list[bytes]:
-    if len(request.inputs) != 1 or request.inputs[0].name != INPUT:
+def _pixels(request: oip.ModelInferRequest, input_shape: tuple[int, ...]) -> np.ndarray:
+    """The FP32 input: (N, C, H, W) with (C, H, W) the model's, from raw or typed contents."""
+    tensor = request.inputs[0]
+    if tensor.datatype != "FP32":
         raise _Rejected(
             grpc.StatusCode.INVALID_ARGUMENT,
-            f"expected one input tensor named {INPUT!r}, got {[i.name for i in request.inputs]}",
+            f"input {PIXELS!r} must be FP32, got {tensor.datatype}",
         )
+    shape = tuple(tensor.shape)
+    if len(shape) != 4 or shape[1:] != tuple(input_shape) or shape[0] < 1:
+        raise _Rejected(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"input {PIXELS!r} must have shape [N, {', '.join(map(str, input_shape))}], "
+            f"got {list(shape)}",
+        )
+    if request.raw_input_contents:
+        data = np.frombuffer(request.raw_input_contents[0], dtype="<f4")
+    else:
+        data = np.asarray(tensor.contents.fp32_contents, dtype=np.float32)
+    if data.size != int(np.prod(shape)):
+        raise _Rejected(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"input shape {list(shape)} holds {int(np.prod(shape))} values, got {data.size}",
+        )
+    if not np.isfinite(data).all():
+        raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"input {PIXELS!r} has NaN or inf")
+    return data.astype(np.float32).reshape(shape)
+
+
+def _images(request: oip.ModelInferRequest) -> list[bytes]:
     tensor = request.inputs[0]
     if tensor.datatype != "BYTES":
         raise _Rejected(
-            grpc.StatusCode.UNIMPLEMENTED,
-            f"input {INPUT!r} must be BYTES (encoded images); {tensor.datatype} "
-            f"(preprocessed tensors) is not supported yet",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"input {INPUT!r} must be BYTES (encoded images), got {tensor.datatype}; send "
+            f"preprocessed FP32 tensors as input {PIXELS!r}",
         )
     if request.raw_input_contents:
         images = _bytes_elements(request.raw_input_contents[0])
@@ -116,14 +143,25 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
 
     async def _infer(self, request: oip.ModelInferRequest, context) -> oip.ModelInferResponse:
         self._check_model(request.model_name, request.model_version)
-        images = _images(request)
+        names = [i.name for i in request.inputs]
+        if names not in ([INPUT], [PIXELS]):
+            raise _Rejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"expected one input tensor, {INPUT!r} (BYTES) or {PIXELS!r} (FP32), got {names}",
+            )
         wanted = _top_k(request, self._engine.num_classes)
-        answer = await self._classifier.respond(
-            pb.ClassifyRequest(
-                request_id=request.id, images=images, top_k=max(wanted.values()), model=""
-            ),
-            context,
-        )
+        top_k = max(wanted.values())
+        if names == [PIXELS]:
+            answer = await self._classifier.respond(
+                pb.ClassifyRequest(request_id=request.id, top_k=top_k),
+                context,
+                pixels=_pixels(request, self._engine.input_shape),
+            )
+        else:
+            answer = await self._classifier.respond(
+                pb.ClassifyRequest(request_id=request.id, images=_images(request), top_k=top_k),
+                context,
+            )
         if answer.error.code:
             raise _Rejected(_status(answer.error.code), answer.error.message)
         for i, result in enumerate(answer.results):
@@ -196,7 +234,10 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
             name=self._name,
             versions=[self._version],
             platform=f"raystream_{self._engine.engine}",
-            inputs=[tensor(name=INPUT, datatype="BYTES", shape=[-1])],
+            inputs=[
+                tensor(name=INPUT, datatype="BYTES", shape=[-1]),
+                tensor(name=PIXELS, datatype="FP32", shape=[-1, *self._engine.input_shape]),
+            ],
             outputs=[
                 tensor(name=SCORES, datatype="FP32", shape=[-1, self._engine.num_classes]),
                 tensor(name=LABELS, datatype="BYTES", shape=[-1, -1]),

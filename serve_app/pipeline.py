@@ -12,6 +12,7 @@ fused    decode in the ingress replica's thread pool, postprocess in the Inferen
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 from ray.serve.handle import DeploymentHandle
@@ -30,6 +31,12 @@ class Pipeline(Protocol):
         it is waiting, before the engine (DeadlineExceeded)."""
         ...
 
+    async def classify_preprocessed(
+        self, pre: Preprocessed, top_k: int, deadline: float | None = None
+    ) -> Classified:
+        """The same for a client's already-preprocessed float32 tensor: no decoding."""
+        ...
+
 
 class ChainedPipeline:
     def __init__(
@@ -45,6 +52,12 @@ class ChainedPipeline:
     ) -> Classified:
         preprocessed = self._preprocess.remote(images, deadline)
         inferred = self._inference.remote(preprocessed)
+        return await self._postprocess.remote(inferred, top_k)
+
+    async def classify_preprocessed(
+        self, pre: Preprocessed, top_k: int, deadline: float | None = None
+    ) -> Classified:
+        inferred = self._inference.remote(dataclasses.replace(pre, deadline=deadline))
         return await self._postprocess.remote(inferred, top_k)
 
 
@@ -72,7 +85,13 @@ class FusedPipeline:
         self, images: list[bytes], top_k: int, deadline: float | None = None
     ) -> Classified:
         preprocessed = await self._preprocessor.run(images, deadline)
-        result, _ = await self._calls.submit((preprocessed, top_k), deadline)
+        return await self.classify_preprocessed(preprocessed, top_k, deadline)
+
+    async def classify_preprocessed(
+        self, pre: Preprocessed, top_k: int, deadline: float | None = None
+    ) -> Classified:
+        pre = dataclasses.replace(pre, deadline=deadline)
+        result, _ = await self._calls.submit((pre, top_k), deadline)
         if isinstance(result, Exception):
             raise result
         return result

@@ -22,7 +22,7 @@ from ray import serve
 from engines import EngineInfo, create_engine
 from engines.repository import ModelRef, resolve
 from serve_app import postprocessing, preprocessing
-from serve_app.batching import DynamicBatcher
+from serve_app.batching import AdaptiveWait, DynamicBatcher
 from serve_app.config import AppConfig, BatchingConfig
 from serve_app.errors import DeadlineExceeded, InvalidArgument, InvalidImage
 from serve_app.messages import (
@@ -198,13 +198,17 @@ class Inference:
         self._batching = BatchingConfig()
         self._metrics = InferenceMetrics()
         self._images_inferred = 0
-        self._batcher = DynamicBatcher(
-            self._run_engine,
-            len,
-            max_batch_size=self._batching.max_batch_size,
-            max_concurrent=workers,
-            max_queued=self._batching.max_queued_images,
-        )
+        # Crops (uint8) and client-preprocessed tensors (float32) batch separately.
+        self._batchers = {
+            dtype: DynamicBatcher(
+                self._run_engine,
+                len,
+                max_batch_size=self._batching.max_batch_size,
+                max_concurrent=workers,
+                max_queued=self._batching.max_queued_images,
+            )
+            for dtype in (np.uint8, np.float32)
+        }
         logger.info("engine ready: %s", self._engine.info)
 
     def reconfigure(self, user_config: dict) -> None:
@@ -215,9 +219,16 @@ class Inference:
                 f"{self._engine.info.max_batch_size}, got {batching.max_batch_size}"
             )
         self._batching = batching
-        self._batcher.max_batch_size = batching.max_batch_size
-        self._batcher.max_delay_s = batching.batch_wait_timeout_s
-        self._batcher.max_queued = batching.max_queued_images
+        for batcher in self._batchers.values():
+            batcher.max_batch_size = batching.max_batch_size
+            batcher.max_delay_s = batching.batch_wait_timeout_s
+            batcher.max_queued = batching.max_queued_images
+            batcher.adaptive = None
+            if batching.target_p99_ms > 0:
+                batcher.max_delay_s = 0.0  # AdaptiveWait raises it while latency allows
+                batcher.adaptive = AdaptiveWait(
+                    batching.target_p99_ms, batching.batch_wait_timeout_s
+                )
         self._serve_batch.set_max_batch_size(batching.max_batch_size)
         self._serve_batch.set_batch_wait_timeout_s(batching.batch_wait_timeout_s)
         logger.info("batching: %s", batching)
@@ -238,16 +249,21 @@ class Inference:
         return serve.get_replica_context().replica_id.unique_id
 
     def batching(self) -> dict:
-        """The batching settings in force (tests: user_config changes apply live)."""
-        return self._batching.model_dump()
+        """The batching settings in force (tests: user_config changes apply live) and the
+        batch wait now in use (the adaptive mode moves it)."""
+        return {**self._batching.model_dump(), "wait_s": self._batchers[np.uint8].max_delay_s}
 
     async def _run_engine(self, chunks: list[np.ndarray]) -> list[_Ran]:
         """One engine batch from several requests' pixels; split back per request."""
         start = time.perf_counter()
         pixels = np.concatenate(chunks)
-        logits = await asyncio.get_running_loop().run_in_executor(
-            self._executor, self._engine.infer_uint8, pixels, self._mean, self._std
-        )
+        loop = asyncio.get_running_loop()
+        if pixels.dtype == np.float32:  # preprocessed by the client
+            logits = await loop.run_in_executor(self._executor, self._engine.infer, pixels)
+        else:
+            logits = await loop.run_in_executor(
+                self._executor, self._engine.infer_uint8, pixels, self._mean, self._std
+            )
         inference_ms = _ms_since(start)
         self._images_inferred += len(pixels)
         self._metrics.batch_size.observe(len(pixels))
@@ -268,10 +284,11 @@ class Inference:
 
     async def _submit(self, chunk: np.ndarray, deadline: float | None) -> tuple[_Ran, float]:
         """Run one chunk in a batch: (its result, ms it queued)."""
-        if self._batching.batcher == "serve":  # @serve.batch has no deadlines: checked before
+        if self._batching.batcher == "serve" and chunk.dtype == np.uint8:
+            # @serve.batch has no deadlines: checked before queueing
             ran = await self._serve_batch(_Queued(chunk, time.perf_counter()))
             return ran, 0.0
-        return await self._batcher.submit(chunk, deadline)
+        return await self._batchers[chunk.dtype.type].submit(chunk, deadline)
 
     async def classify_many(
         self, items: list[tuple[Preprocessed, int]]
@@ -329,9 +346,12 @@ class Inference:
         if len(pre.pixels) == 0:
             logits = np.empty((0, self._spec.num_classes), np.float32)
             return Inferred(pre.count, logits, pre.indices, pre.failures, pre.timing)
-        if pre.pixels.shape[1:] != (*self._engine.info.input_shape[1:], 3):
+        shape = self._engine.info.input_shape
+        expected = shape if pre.pixels.dtype == np.float32 else (*shape[1:], 3)
+        if pre.pixels.dtype not in (np.uint8, np.float32) or pre.pixels.shape[1:] != expected:
             raise InvalidArgument(
-                f"pixels must be (N, H, W, 3) at the model's input size, got {pre.pixels.shape}"
+                f"pixels must be uint8 (N, {shape[1]}, {shape[2]}, 3) or float32 "
+                f"(N, {', '.join(map(str, shape))}), got {pre.pixels.dtype} {pre.pixels.shape}"
             )
         # A request larger than one batch is split into chunks that batch independently.
         step = self._batching.max_batch_size

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from serve_app.batching import DynamicBatcher
+from serve_app.batching import AdaptiveWait, DynamicBatcher
 from serve_app.errors import DeadlineExceeded, Overloaded
 
 
@@ -112,4 +112,34 @@ async def test_max_delay_waits_for_company() -> None:
     tasks = [asyncio.create_task(batcher.submit([1, 1])) for _ in range(2)]
     await asyncio.gather(*tasks)  # the batch filled (4 images) long before the delay
     assert engine.batches == [[2, 2]]
+    await batcher.close()
+
+
+def test_adaptive_wait_grows_under_its_target_and_halves_over_it() -> None:
+    wait = AdaptiveWait(target_p99_ms=50, max_wait_s=0.004, every=32)
+    for _ in range(64):
+        wait.observe(10.0)  # well under 0.7 x 50 ms: one step (1 ms) per 32 observations
+    assert wait.wait_s == pytest.approx(0.002)
+    for _ in range(32):
+        wait.observe(100.0)  # p99 over the target: halve
+    assert wait.wait_s == pytest.approx(0.001)
+    for _ in range(32 * 20):  # the window forgets the slow ones first, then it climbs
+        wait.observe(10.0)
+    assert wait.wait_s == pytest.approx(0.004)  # capped at max_wait_s
+    for _ in range(32 * 4):
+        wait.observe(100.0)
+    assert wait.wait_s == 0.0  # down to no wait at all
+
+
+@pytest.mark.parametrize(("target_ms", "waits"), [(1000.0, True), (0.01, False)])
+async def test_adaptive_batcher_waits_only_while_latency_allows(target_ms, waits) -> None:
+    async def engine(items: list[int]) -> list[int]:
+        await asyncio.sleep(0.002)
+        return items
+
+    batcher = DynamicBatcher(engine, lambda item: 1, max_batch_size=64)
+    batcher.adaptive = AdaptiveWait(target_ms, max_wait_s=0.01, every=16)
+    for _ in range(10):
+        await asyncio.gather(*(batcher.submit(i) for i in range(16)))
+    assert (batcher.max_delay_s > 0) is waits
     await batcher.close()

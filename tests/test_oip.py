@@ -85,3 +85,36 @@ async def test_errors_follow_the_protocol(server, photos) -> None:
         assert [r.infer_response.id for r in replies] == ["a", "b", "c"]
         assert [bool(r.error_message) for r in replies] == [False, True, False]
         assert replies[1].error_message.startswith("INVALID_ARGUMENT")
+
+
+async def test_preprocessed_fp32_input_gives_the_same_scores(server, photos, model) -> None:
+    """A client that preprocesses itself (decode, resize, crop, normalize, NCHW) sends input
+    `pixels`; the scores equal those of the encoded-image path."""
+    from engines.base import normalize
+    from serve_app.preprocessing import decode
+
+    spec = model.spec.preprocess
+    crops = np.stack([decode(photos[name], spec) for name in ("chelsea", "coffee")])
+    pixels = normalize(crops, spec.mean_array, spec.std_array)
+    request = oip.ModelInferRequest(model_name="efficientnet-lite0", id="p")
+    request.inputs.add(name="pixels", datatype="FP32", shape=list(pixels.shape))
+    request.raw_input_contents.append(pixels.astype("<f4").tobytes())
+    async with grpc.aio.insecure_channel(server) as channel:
+        stub = oip_grpc.GRPCInferenceServiceStub(channel)
+        meta = await stub.ModelMetadata(oip.ModelMetadataRequest(name="efficientnet-lite0"))
+        assert [(i.name, i.datatype) for i in meta.inputs] == [
+            ("images", "BYTES"),
+            ("pixels", "FP32"),
+        ]
+        from_pixels = await stub.ModelInfer(request)
+        from_bytes = await stub.ModelInfer(_request([photos["chelsea"], photos["coffee"]]))
+        ours = np.frombuffer(from_pixels.raw_output_contents[0], np.float32).reshape(2, 1000)
+        theirs = np.frombuffer(from_bytes.raw_output_contents[0], np.float32).reshape(2, 1000)
+        assert ours[0].argmax() in CATS and np.abs(ours - theirs).max() < 1e-4
+        wrong = oip.ModelInferRequest(model_name="efficientnet-lite0", id="w")
+        wrong.inputs.add(name="pixels", datatype="FP32", shape=[1, 3, 100, 100])
+        wrong.raw_input_contents.append(np.zeros((1, 3, 100, 100), "<f4").tobytes())
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ModelInfer(wrong)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "[N, 3, 224, 224]" in err.value.details()
