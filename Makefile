@@ -8,7 +8,10 @@ SERVE_ARGS ?=
 STAMP := $(VENV)/.installed-stamp
 MODEL_STAMP := $(MODELS)/efficientnet-lite0
 
-.PHONY: setup model serve test lint format protos clean
+TRITON_VENV := .venv-triton
+TRITON_STAMP := $(TRITON_VENV)/.installed-stamp
+
+.PHONY: setup model serve test lint format protos clean triton-client
 
 # A venv with the pinned project; redone when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -26,7 +29,16 @@ model: setup
 serve: model
 	$(BIN)/raystream serve --config $(CONFIG) --model-repository $(MODELS) $(SERVE_ARGS)
 
-test: model
+# Triton's own gRPC client in a venv of its own (it needs protobuf < 7): tests/test_tritonclient.py
+$(TRITON_STAMP):
+	$(PYTHON) -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/python -m pip install -q 'tritonclient[grpc]==2.73.0' 'protobuf==6.33.6' \
+		'grpcio==1.85.1' 'numpy==2.4.6'
+	touch $@
+
+triton-client: $(TRITON_STAMP)
+
+test: model triton-client
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
@@ -45,4 +57,4 @@ protos: setup
 		protos/raystream/oip/grpc_predict_v2.proto
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TRITON_VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,40 @@
+"""Standard OIP clients work unchanged: Triton's own `tritonclient` (gRPC) against raystream.
+It needs protobuf < 7, so it runs from its own venv, which `make test` builds (.venv-triton)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+PYTHON = ROOT / ".venv-triton" / "bin" / "python"
+CATS = range(281, 286)
+
+
+@pytest.mark.skipif(not PYTHON.exists(), reason="needs .venv-triton: run `make triton-client`")
+def test_tritonclient_infers_and_streams(server, photos, tmp_path) -> None:
+    paths = []
+    for name in ("chelsea", "coffee"):
+        path = tmp_path / f"{name}.jpg"
+        path.write_bytes(photos[name])
+        paths.append(str(path))
+    run = subprocess.run(
+        [str(PYTHON), str(ROOT / "tests" / "tritonclient_check.py"), server, *paths],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    seen = json.loads(run.stdout)
+    assert seen["live"] and seen["ready"] and seen["model_ready"]
+    assert seen["inputs"] == ["images", "pixels"]
+    assert seen["top1"][0] in CATS and seen["top1"][1] in {967, 968, 504}
+    assert len(seen["labels"][0]) == 3 and int(seen["labels"][0][0].split(":")[1]) in CATS
+    assert seen["bad_image_status"] == "StatusCode.INVALID_ARGUMENT"
+    assert seen["stream"][0]["top1"] in CATS
+    assert "INVALID_ARGUMENT" in seen["stream"][1]["error"]
+    assert seen["stream"][2]["top1"] in {967, 968, 504}

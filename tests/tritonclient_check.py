@@ -1,0 +1,66 @@
+"""Run by tests/test_tritonclient.py in its own venv (.venv-triton: Triton's `tritonclient`
+needs protobuf < 7, raystream pins 7): Triton's own gRPC client, unchanged, against raystream.
+Prints one JSON object with what it saw.
+
+    .venv-triton/bin/python tests/tritonclient_check.py 127.0.0.1:9000 a.jpg b.jpg
+"""
+
+import json
+import queue
+import sys
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as triton
+from tritonclient.utils import InferenceServerException
+
+MODEL = "efficientnet-lite0"
+
+
+def inputs_for(images: list[bytes]) -> list:
+    tensor = triton.InferInput("images", [len(images)], "BYTES")
+    tensor.set_data_from_numpy(np.array(images, dtype=np.object_))
+    return [tensor]
+
+
+def main() -> None:
+    address, paths = sys.argv[1], sys.argv[2:]
+    images = [Path(p).read_bytes() for p in paths]
+    client = triton.InferenceServerClient(address)
+    seen = {
+        "live": client.is_server_live(),
+        "ready": client.is_server_ready(),
+        "model_ready": client.is_model_ready(MODEL),
+        "inputs": [i.name for i in client.get_model_metadata(MODEL).inputs],
+    }
+    result = client.infer(
+        MODEL,
+        inputs_for(images),
+        outputs=[
+            triton.InferRequestedOutput("probabilities"),
+            triton.InferRequestedOutput("labels", class_count=3),
+        ],
+    )
+    probabilities = result.as_numpy("probabilities")
+    seen["top1"] = [int(i) for i in probabilities.argmax(axis=1)]
+    seen["labels"] = [[x.decode() for x in row] for row in result.as_numpy("labels")]
+    try:
+        client.infer(MODEL, inputs_for([b"not an image"]))
+    except InferenceServerException as exc:
+        seen["bad_image_status"] = exc.status()
+    # Triton's streaming API (ModelStreamInfer): one answer per request, errors in-band.
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    for i, batch in enumerate([images[:1], [b"junk"], images[1:2]]):
+        client.async_stream_infer(MODEL, inputs_for(batch), request_id=str(i))
+    stream = [answers.get(timeout=60) for _ in range(3)]
+    client.stop_stream()
+    seen["stream"] = [
+        {"error": str(error)} if error else {"top1": int(r.as_numpy("probabilities").argmax())}
+        for r, error in stream
+    ]
+    print(json.dumps(seen))
+
+
+if __name__ == "__main__":
+    main()
