@@ -90,7 +90,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         yaml.safe_dump(config, f)
     # The Serve CLI through this interpreter: works in a venv and on machines where the
     # `serve` console script is not on PATH.
-    child = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", f.name])
+    child = subprocess.Popen(
+        [sys.executable, "-m", "ray.serve.scripts", "run", f.name],
+        # SIGINT back to its default even where this process was started with it ignored (a
+        # background job), so the child turns it into a clean shutdown.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    # `docker stop`, systemd and Kubernetes send SIGTERM: stop the way Ctrl-C does, so the
+    # ingress drains (answers what it read, ends streams with UNAVAILABLE).
+    signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGINT))
     address = f"{app.host}:{app.port}"
 
     async def wait_ready() -> bool:
