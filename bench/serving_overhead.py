@@ -1,10 +1,15 @@
 """Pure serving overhead, in one run: the same bidi load against (1) a plain grpc.aio server
 implementing raystream.v1.ImageClassifier with no work at all, (2) the same plain server
 decoding and cropping each image as raystream does, and (3) raystream on Ray Serve with the
-`echo` engine (no model) in each topology. Tiny 8x8 PNGs keep decoding cheap (each is still
-resized to a 224x224 crop). Prints images/s and the ratios to (1) and (2).
+`echo` engine (no model) in each topology, on the default model's 224x224 input, and (4)
+raystream fused with the echo engine on an `identity` model whose input is 8x8, so that the
+tiny 8x8 PNGs are decoded but not resized: the pure serving path. Every server answers one
+label per image (top_k 1). Prints images/s and the ratios to (1) and (2).
 
     python bench/serving_overhead.py --streams 4 --in-flight 4 --batch-size 8 --duration 15
+
+With --same-thread, Serve runs replica code on the replica's event loop thread
+(RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0) instead of a separate one.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ import asyncio
 import io
 import json
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -79,7 +86,23 @@ async def plain_server_rate(workload: Workload, decode: bool) -> dict:
         await server.stop(0)
 
 
-def raystream_rate(workload: Workload, topology: str, repository: Path) -> dict:
+def identity_repository(source: Path, model: str = "efficientnet-lite0") -> Path:
+    """A repository holding `identity`: the source model's labels, an 8x8 input, no weights
+    (only the echo engine can serve it)."""
+    from engines.repository import resolve
+
+    spec = resolve(source, model).spec
+    tiny = replace(spec.preprocess, input_size=8, resize_size=8)
+    identity = replace(spec, name="identity", version="1", preprocess=tiny)
+    root = Path(tempfile.mkdtemp(prefix="identity-"))
+    (root / "identity" / "1").mkdir(parents=True)
+    (root / "identity" / "1" / "model.json").write_text(identity.to_json())
+    return root
+
+
+def raystream_rate(
+    workload: Workload, topology: str, repository: Path, model: str = "efficientnet-lite0"
+) -> dict:
     from ray import serve
 
     from serve_app.app import build_app
@@ -87,6 +110,7 @@ def raystream_rate(workload: Workload, topology: str, repository: Path) -> dict:
     app = build_app(
         {
             "model_repository": str(repository),
+            "model": model,
             "port": 0,
             "topology": topology,
             "engine": {"kind": "echo"},
@@ -108,6 +132,7 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=15.0)
     parser.add_argument("--repository", type=Path, default=Path("models"))
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--same-thread", action="store_true", help="see the module docstring")
     args = parser.parse_args()
     workload = Workload(
         images=(tiny_png(),),
@@ -115,6 +140,7 @@ def main() -> None:
         streams=args.streams,
         in_flight=args.in_flight,
         duration_s=args.duration,
+        top_k=1,
     )
     import ray
     from ray import serve
@@ -123,12 +149,16 @@ def main() -> None:
         "plain grpc.aio": asyncio.run(plain_server_rate(workload, decode=False)),
         "plain grpc.aio + same decode": asyncio.run(plain_server_rate(workload, decode=True)),
     }
-    ray.init(include_dashboard=False, log_to_driver=False)
+    env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"} if args.same_thread else {}
+    ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     serve.start(proxy_location="Disabled")
     for topology in ("fused", "chained"):
         results[f"raystream {topology}, echo engine"] = raystream_rate(
             workload, topology, args.repository
         )
+    results["raystream fused, identity 8x8"] = raystream_rate(
+        workload, "fused", identity_repository(args.repository), model="identity"
+    )
     serve.shutdown()
     ray.shutdown()
     base = results["plain grpc.aio"]["images_per_s"]
@@ -139,7 +169,7 @@ def main() -> None:
     )
     for name, r in results.items():
         print(
-            f"{name:<32} {r['images_per_s']:9.1f} img/s  {r['requests_per_s']:8.1f} req/s  "
+            f"{name:<34} {r['images_per_s']:9.1f} img/s  {r['requests_per_s']:8.1f} req/s  "
             f"p50 {r['latency_ms']['p50']:7.2f} ms  ratio {r['images_per_s'] / base:5.2f}  "
             f"vs same work {r['images_per_s'] / same_work:5.2f}"
         )

@@ -14,6 +14,7 @@ Serve adds the deployment, replica and application tags.
 
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Iterable
 
@@ -70,8 +71,8 @@ class IngressMetrics:
         self.requests.inc(1, tags={"code": code})
         if code in REJECTED_CODES and not stage_ms:
             self.rejected.inc(1, tags={"code": code})
-        for image_code in image_codes:
-            self.images.inc(1, tags={"code": image_code})
+        for image_code, count in collections.Counter(image_codes).items():
+            self.images.inc(count, tags={"code": image_code})  # one call per code, not image
         self.total.observe(total_ms)
         for stage, ms in stage_ms.items():
             self.stages[stage].observe(ms)
