@@ -232,9 +232,16 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
             await responses.put(response)
 
         async def read() -> None:
+            requests = aiter(request_iterator)
             try:
-                async for request in request_iterator:
-                    await slots.acquire()  # backpressure: stop reading while full
+                while True:
+                    # A slot before the next read (backpressure: stop reading while full),
+                    # so a drain that cancels this task never drops a request already read.
+                    await slots.acquire()
+                    try:
+                        request = await anext(requests)
+                    except StopAsyncIteration:
+                        break
                     if request.request_id and request.request_id in in_flight:
                         slots.release()
                         duplicate = _error_response(
