@@ -96,7 +96,10 @@ class DynamicBatcher(Generic[T, R]):
         self._queue: collections.deque[_Pending[T, R]] = collections.deque()
         self._queued_images = 0
         self._arrived = asyncio.Event()
-        self._workers = [asyncio.create_task(self._work()) for _ in range(max_concurrent)]
+        # `concurrency` batches run at once, at most `max_concurrent`; it may change at run
+        # time (the replica's user_config): workers past it idle.
+        self.concurrency = max_concurrent
+        self._workers = [asyncio.create_task(self._work(i)) for i in range(max_concurrent)]
 
     @property
     def queued_images(self) -> int:
@@ -144,9 +147,17 @@ class DynamicBatcher(Generic[T, R]):
             images += head.size
         return batch
 
-    async def _work(self) -> None:
+    def set_concurrency(self, batches: int) -> None:
+        if not 1 <= batches <= len(self._workers):
+            raise ValueError(
+                f"concurrent batches must be in 1..{len(self._workers)}, got {batches}"
+            )
+        self.concurrency = batches
+        self._arrived.set()  # wake the workers it enables
+
+    async def _work(self, index: int) -> None:
         while True:
-            while not self._queue:
+            while not self._queue or index >= self.concurrency:
                 self._arrived.clear()
                 await self._arrived.wait()
             if self.max_delay_s > 0:

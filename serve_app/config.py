@@ -95,6 +95,9 @@ class BatchingConfig(_Strict):
     # Serve's @serve.batch (forms batches eagerly; for comparison).
     batcher: Literal["dynamic", "serve"] = "dynamic"
     max_queued_images: int = Field(4096, ge=1)  # past this, requests get RESOURCE_EXHAUSTED
+    # Batches the engine runs at once (batcher: dynamic): default 1 on CPU engines (one batch
+    # already uses every core), 2 on GPU engines (their two slots: engines/cuda_graphs.py).
+    max_concurrent_batches: int | None = Field(None, ge=1, le=2)
     # > 0: adaptive mode (batcher: dynamic): the wait is chosen at run time, up to
     # batch_wait_timeout_s, as the longest that keeps the p99 of queue + engine time in the
     # replica under this many ms (serve_app/batching.py, AdaptiveWait).

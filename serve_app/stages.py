@@ -186,8 +186,9 @@ class Inference:
         self._engine.warmup()
         # The engine runs in its own threads so the replica's event loop keeps accepting
         # requests while a batch runs. A CPU engine already uses every core for one batch;
-        # a GPU engine overlaps two (its slots).
-        workers = 1 if self._engine.info.device == "cpu" else MAX_CONCURRENT_BATCHES
+        # a GPU engine overlaps two (its slots). user_config's max_concurrent_batches changes it.
+        self._default_concurrency = 1 if self._engine.info.device == "cpu" else 2
+        workers = MAX_CONCURRENT_BATCHES
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="engine")
         self._gpu_decoder = None
         if config.decode == "gpu":
@@ -209,6 +210,8 @@ class Inference:
             )
             for dtype in (np.uint8, np.float32)
         }
+        for batcher in self._batchers.values():
+            batcher.set_concurrency(self._default_concurrency)
         logger.info("engine ready: %s", self._engine.info)
 
     def reconfigure(self, user_config: dict) -> None:
@@ -223,6 +226,7 @@ class Inference:
             batcher.max_batch_size = batching.max_batch_size
             batcher.max_delay_s = batching.batch_wait_timeout_s
             batcher.max_queued = batching.max_queued_images
+            batcher.set_concurrency(batching.max_concurrent_batches or self._default_concurrency)
             batcher.adaptive = None
             if batching.target_p99_ms > 0:
                 batcher.max_delay_s = 0.0  # AdaptiveWait raises it while latency allows

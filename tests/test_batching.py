@@ -143,3 +143,26 @@ async def test_adaptive_batcher_waits_only_while_latency_allows(target_ms, waits
         await asyncio.gather(*(batcher.submit(i) for i in range(16)))
     assert (batcher.max_delay_s > 0) is waits
     await batcher.close()
+
+
+async def test_concurrent_batches_change_at_run_time() -> None:
+    running, most = 0, 0
+
+    async def engine(items: list[int]) -> list[int]:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        await asyncio.sleep(0.01)
+        running -= 1
+        return items
+
+    batcher = DynamicBatcher(engine, lambda item: 1, max_batch_size=1, max_concurrent=2)
+    batcher.set_concurrency(1)
+    await asyncio.gather(*(batcher.submit(i) for i in range(6)))
+    assert most == 1
+    batcher.set_concurrency(2)
+    await asyncio.gather(*(batcher.submit(i) for i in range(6)))
+    assert most == 2
+    with pytest.raises(ValueError, match=r"1\.\.2"):
+        batcher.set_concurrency(3)
+    await batcher.close()

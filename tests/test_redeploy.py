@@ -25,7 +25,14 @@ APP = "redeploy"
 OK, UNAVAILABLE = 0, grpc.StatusCode.UNAVAILABLE.value[0]
 
 
-def _deploy(model_repository, port: int, *, max_batch_size: int, log_sample_rate: float) -> None:
+def _deploy(
+    model_repository,
+    port: int,
+    *,
+    max_batch_size: int,
+    log_sample_rate: float,
+    max_concurrent_batches: int = 1,
+) -> None:
     from ray import serve
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
@@ -47,7 +54,13 @@ def _deploy(model_repository, port: int, *, max_batch_size: int, log_sample_rate
                     },
                     "deployments": [
                         {"name": "Ingress", "max_surge_percent": 100},
-                        {"name": "Inference", "user_config": {"max_batch_size": max_batch_size}},
+                        {
+                            "name": "Inference",
+                            "user_config": {
+                                "max_batch_size": max_batch_size,
+                                "max_concurrent_batches": max_concurrent_batches,
+                            },
+                        },
                     ],
                 }
             ],
@@ -101,6 +114,9 @@ class Traffic:
         while sum(map(len, self.answers.values())) < count:
             await asyncio.sleep(0.05)
 
+    async def ended(self, timeout: float) -> None:
+        await asyncio.wait_for(self._task, timeout)
+
     async def finish(self, timeout: float = 60.0) -> None:
         self._stop.set()
         await asyncio.wait_for(self._task, timeout)
@@ -119,12 +135,20 @@ async def test_user_config_change_applies_to_the_running_replica(
     assert (await inference.batching.remote())["max_batch_size"] == 8
     traffic = Traffic(f"127.0.0.1:{port}", photos["chelsea"])
     await traffic.answered(5)
-    await asyncio.to_thread(_deploy, model_repository, port, max_batch_size=2, log_sample_rate=0.0)
+    await asyncio.to_thread(
+        _deploy,
+        model_repository,
+        port,
+        max_batch_size=2,
+        log_sample_rate=0.0,
+        max_concurrent_batches=2,
+    )
     for _ in range(100):
         if (await inference.batching.remote())["max_batch_size"] == 2:
             break
         await asyncio.sleep(0.1)
-    assert (await inference.batching.remote())["max_batch_size"] == 2
+    batching = await inference.batching.remote()
+    assert batching["max_batch_size"] == 2 and batching["max_concurrent_batches"] == 2
     assert await inference.replica_id.remote() == replica  # reconfigured, not restarted
     answered = sum(map(len, traffic.answers.values()))
     await traffic.answered(answered + 5)
@@ -141,7 +165,7 @@ async def test_a_restarting_redeploy_drains_old_streams_onto_the_new_replica(
     await traffic.answered(5)
     # New args change the application's code version: every replica is replaced.
     await asyncio.to_thread(_deploy, model_repository, port, max_batch_size=2, log_sample_rate=0.5)
-    await asyncio.wait_for(traffic._task, 90)  # the old ingress ends the stream
+    await traffic.ended(90)  # the old ingress ends the stream
     assert traffic.stream_error is not None
     assert traffic.stream_error.code() == grpc.StatusCode.UNAVAILABLE
     assert "shutting down" in traffic.stream_error.details()
@@ -149,6 +173,7 @@ async def test_a_restarting_redeploy_drains_old_streams_onto_the_new_replica(
     assert set(codes) <= {OK, UNAVAILABLE} and codes[OK] >= 5
     # The same port now reaches the new replicas.
     async with Client(f"127.0.0.1:{port}") as client:
+        await client.wait_ready(timeout=60)
         response = await client.classify_once([photos["coffee"]])
     assert response.error.code == OK
     assert await _inference().replica_id.remote() != old
