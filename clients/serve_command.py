@@ -138,6 +138,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         child.send_signal(signal.SIGINT)
         return child.wait()
+    except BaseException:
+        child.send_signal(signal.SIGINT)  # never leave a server running behind a failure
+        child.wait()
+        raise
     finally:
         os.unlink(f.name)
 
