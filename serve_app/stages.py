@@ -70,7 +70,8 @@ class Preprocessor:
         self._spec = _load_model(config).spec.preprocess
         self._limits = _decode_limits(config)
         self._gpu = config.decode == "gpu"
-        self._pool = ThreadPoolExecutor(config.preprocess_threads, thread_name_prefix="decode")
+        self._threads = config.preprocess_threads
+        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="decode")
 
     def _decode(self, data: bytes) -> np.ndarray | ImageFailure | object:
         try:
@@ -82,13 +83,26 @@ class Preprocessor:
         except InvalidImage as exc:
             return ImageFailure(-1, int(exc.code), str(exc))
 
+    def _decode_all(self, images: list[bytes]) -> list[np.ndarray | ImageFailure | object]:
+        return [self._decode(data) for data in images]
+
     async def run(self, images: list[bytes], deadline: float | None = None) -> Preprocessed:
         check_deadline(deadline, "decoding")
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
-        decoded = await asyncio.gather(
-            *(loop.run_in_executor(self._pool, self._decode, data) for data in images)
+        # One executor job per thread's share of the request rather than one per image: each
+        # job costs a thread hop and event-loop work, and under load other requests keep the
+        # threads busy anyway.
+        jobs = min(len(images), self._threads)
+        shares = await asyncio.gather(
+            *(
+                loop.run_in_executor(self._pool, self._decode_all, images[i::jobs])
+                for i in range(jobs)
+            )
         )
+        decoded = [None] * len(images)
+        for i, share in enumerate(shares):
+            decoded[i::jobs] = share
         ok = [i for i, d in enumerate(decoded) if isinstance(d, np.ndarray)]
         size = self._spec.input_size
         pixels = (
