@@ -1,5 +1,6 @@
 """Deployment files are valid: the cluster launcher config by Ray's own validation, the Serve
-configs by Serve's schema and by raystream's AppConfig."""
+configs by Serve's schema and by raystream's AppConfig; `raystream serve` reports config
+errors before starting anything, and serves and stops as a user runs it."""
 
 from pathlib import Path
 
@@ -82,3 +83,70 @@ def test_kuberay_rayservice_embeds_a_valid_serve_config() -> None:
     # Paths in the manifest exist only in the cluster's image: check the rest of the args.
     AppConfig.model_validate({**args, "security": {}})
     assert set(args["security"]) == {"tls_cert", "tls_key", "auth_token_file"}
+
+
+@pytest.mark.slow
+def test_raystream_serve_starts_serves_and_stops_on_sigterm(
+    model_repository, photos, tmp_path
+) -> None:
+    """What `make serve` runs, as a user runs it: ready line, a classification, and SIGTERM
+    (docker stop, systemd) stopping everything the way Ctrl-C does."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "clients.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--model-repository",
+            str(model_repository),
+            "--topology",
+            "fused",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        ready = ""
+        deadline = time.monotonic() + 240
+        while "raystream ready" not in ready and time.monotonic() < deadline:
+            ready = server.stdout.readline()
+            assert ready or server.poll() is None, "raystream serve exited before it was ready"
+        assert f"gRPC on 127.0.0.1:{port}" in ready and "efficientnet-lite0" in ready
+        photo = tmp_path / "chelsea.jpg"
+        photo.write_bytes(photos["chelsea"])
+        classify = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "clients.cli",
+                "classify",
+                "--server",
+                f"127.0.0.1:{port}",
+                str(photo),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert classify.returncode == 0 and "cat" in classify.stdout, classify.stdout
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) is not None
+    finally:
+        if server.poll() is None:
+            server.kill()
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
