@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import grpc
@@ -95,7 +97,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # SIGINT back to its default even where this process was started with it ignored (a
         # background job), so the child turns it into a clean shutdown.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},  # its log lines as they happen
     )
+    fatal = _FatalErrorWatch(child.stdout)
     # `docker stop`, systemd and Kubernetes send SIGTERM: stop the way Ctrl-C does, so the
     # ingress drains (answers what it read, ends streams with UNAVAILABLE).
     signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGINT))
@@ -108,7 +116,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         deadline = asyncio.get_running_loop().time() + args.ready_timeout
         async with grpc.aio.insecure_channel(address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            while child.poll() is None and asyncio.get_running_loop().time() < deadline:
+            while (
+                child.poll() is None
+                and fatal.error is None
+                and asyncio.get_running_loop().time() < deadline
+            ):
                 try:
                     reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -124,6 +136,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         elif asyncio.run(wait_ready()):
             described = asyncio.run(_describe(address, app))
             print(f"raystream ready: gRPC on {address}, {described}; Ctrl-C stops", flush=True)
+        elif fatal.error is not None:
+            print(f"raystream: cannot start: {fatal.error}", file=sys.stderr, flush=True)
+            child.send_signal(signal.SIGINT)
+            child.wait()
+            return 1
         elif child.poll() is None:
             print(
                 f"raystream: not ready after {args.ready_timeout:.0f} s; see the Serve log "
@@ -144,6 +161,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise
     finally:
         os.unlink(f.name)
+
+
+class _FatalErrorWatch:
+    """Passes the Serve output through and watches it for errors that retrying a replica
+    cannot fix (a missing GPU, model or engine): Serve would retry the constructor for
+    minutes; raystream stops at the first one and says why."""
+
+    PATTERN = re.compile(r"(engines\.base\.EngineError|ModelNotFoundError|ValidationError): (.+)")
+
+    def __init__(self, output) -> None:
+        self.error: str | None = None
+        self._output = output
+        threading.Thread(target=self._pump, daemon=True, name="serve-output").start()
+
+    def _pump(self) -> None:
+        for line in self._output:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            match = self.PATTERN.search(line)
+            if match and self.error is None:
+                self.error = match.group(2).strip()
 
 
 async def _describe(address: str, app) -> str:

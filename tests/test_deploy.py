@@ -150,3 +150,36 @@ def test_raystream_serve_starts_serves_and_stops_on_sigterm(
             server.kill()
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
+
+
+@pytest.mark.slow
+def test_raystream_serve_stops_at_an_error_retries_cannot_fix(model_repository) -> None:
+    """A GPU engine on a machine without a GPU: Serve would retry the replica for minutes;
+    `raystream serve` stops at the first failure and says why in one line."""
+    import subprocess
+    import sys
+
+    from engines import pick_engine
+
+    if pick_engine("auto") != "onnxruntime":
+        pytest.skip("this machine has a GPU: torch-cuda would start")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "clients.cli",
+            "serve",
+            "--port",
+            "0",
+            "--engine",
+            "torch-cuda",
+            "--model-repository",
+            str(model_repository),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 1
+    assert "raystream: cannot start: engine 'torch-cuda' needs a CUDA GPU" in result.stderr
