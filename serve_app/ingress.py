@@ -17,6 +17,8 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -56,6 +58,8 @@ SERVICE_NAMES = (
     health.SERVICE_NAME,
 )
 _END = object()
+Request = TypeVar("Request")
+Answer = TypeVar("Answer")
 
 
 class ClassifierService(pb_grpc.ImageClassifierServicer):
@@ -218,18 +222,50 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
     async def Classify(self, request_iterator, context):
         """Bidi stream: requests run concurrently, answered in completion order."""
         stream = uuid.uuid4().hex[:12]
-        responses: asyncio.Queue = asyncio.Queue()
+
+        def duplicate(request: pb.ClassifyRequest) -> pb.ClassifyResponse:
+            response = _error_response(
+                request,
+                DuplicateRequest(
+                    f"request_id {request.request_id!r} is already in flight on this stream"
+                ),
+            )
+            self._record(response, stream)
+            return response
+
+        async for response in self.serve_stream(
+            request_iterator,
+            context,
+            lambda request: self._respond(request, stream, context),
+            key=lambda request: request.request_id,
+            duplicate=duplicate,
+        ):
+            yield response
+
+    async def serve_stream(
+        self,
+        request_iterator: AsyncIterator[Request],
+        context: grpc.aio.ServicerContext,
+        answer: Callable[[Request], Awaitable[Answer]],
+        key: Callable[[Request], str] | None = None,
+        duplicate: Callable[[Request], Answer] | None = None,
+    ) -> AsyncIterator[Answer]:
+        """A bidi stream of any protocol (raystream.v1 and OIP): read with backpressure (at
+        most `max_in_flight_per_stream` requests running), answer each concurrently, yield
+        the answers in completion order. A request whose `key` is already in flight gets
+        `duplicate(request)`. On drain: stop reading, answer what was read, end UNAVAILABLE."""
+        answers: asyncio.Queue = asyncio.Queue()
         slots = asyncio.Semaphore(self._config.limits.max_in_flight_per_stream)
         in_flight: set[str] = set()
         tasks: set[asyncio.Task] = set()
 
-        async def answer(request: pb.ClassifyRequest) -> None:
+        async def run(request: Request, request_key: str) -> None:
             try:
-                response = await self._respond(request, stream, context)
+                result = await answer(request)
             finally:
                 slots.release()
-                in_flight.discard(request.request_id)
-            await responses.put(response)
+                in_flight.discard(request_key)
+            await answers.put(result)
 
         async def read() -> None:
             requests = aiter(request_iterator)
@@ -242,35 +278,28 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
                         request = await anext(requests)
                     except StopAsyncIteration:
                         break
-                    if request.request_id and request.request_id in in_flight:
+                    request_key = key(request) if key is not None else ""
+                    if request_key and request_key in in_flight and duplicate is not None:
                         slots.release()
-                        duplicate = _error_response(
-                            request,
-                            DuplicateRequest(
-                                f"request_id {request.request_id!r} is already in flight on this "
-                                f"stream"
-                            ),
-                        )
-                        self._record(duplicate, stream)
-                        await responses.put(duplicate)
+                        await answers.put(duplicate(request))
                         continue
-                    if request.request_id:
-                        in_flight.add(request.request_id)
-                    task = asyncio.create_task(answer(request))
+                    if request_key:
+                        in_flight.add(request_key)
+                    task = asyncio.create_task(run(request, request_key))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
             except asyncio.CancelledError:
                 if not self._draining:
                     raise
             finally:
-                responses.put_nowait(_END)
+                answers.put_nowait(_END)
 
         reader = asyncio.create_task(read())
         self._readers.add(reader)
         try:
             reading = True
-            while reading or tasks or not responses.empty():
-                item = await responses.get()
+            while reading or tasks or not answers.empty():
+                item = await answers.get()
                 if item is _END:
                     reading = False
                     continue

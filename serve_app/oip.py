@@ -11,8 +11,9 @@ Model interface:
 - output `labels` (or any requested output with the `classification` parameter k, Triton's
   classification extension): BYTES [N, k], elements "score:class_id:name", best first.
 OIP has no per-item errors: a request with a bad image fails as a whole with
-INVALID_ARGUMENT naming the image. ModelStreamInfer answers each request in its own
-ModelStreamInferResponse, with `error_message` set when it failed; the stream goes on.
+INVALID_ARGUMENT naming the image. ModelStreamInfer runs requests concurrently and answers
+each in its own ModelStreamInferResponse (completion order, with its `id`), with
+`error_message` set when it failed; the stream goes on, and drains on shutdown.
 """
 
 from __future__ import annotations
@@ -198,16 +199,21 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
             await context.abort(exc.code, str(exc))
 
     async def ModelStreamInfer(self, request_iterator, context):
-        async for request in request_iterator:
+        """Requests run concurrently (as on raystream.v1's stream) and are answered in
+        completion order, each with its `id`; a failed one gets `error_message`."""
+
+        async def answer(request: oip.ModelInferRequest) -> oip.ModelStreamInferResponse:
             try:
-                yield oip.ModelStreamInferResponse(
-                    infer_response=await self._infer(request, context)
-                )
+                response = await self._infer(request, context)
+                return oip.ModelStreamInferResponse(infer_response=response)
             except _Rejected as exc:
-                yield oip.ModelStreamInferResponse(
+                return oip.ModelStreamInferResponse(
                     error_message=f"{exc.code.name}: {exc}",
                     infer_response=oip.ModelInferResponse(id=request.id),
                 )
+
+        async for response in self._classifier.serve_stream(request_iterator, context, answer):
+            yield response
 
     async def ServerLive(self, request, context):
         return oip.ServerLiveResponse(live=True)
