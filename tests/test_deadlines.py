@@ -20,14 +20,14 @@ ENGINE_DELAY_MS = 400
 MAX_MESSAGE_BYTES = 256 * 1024
 
 
-@pytest.fixture(scope="module")
-def slow_server(ray_cluster, model_repository):
+@pytest.fixture(scope="module", params=["fused", "chained"])
+def slow_server(request, ray_cluster, model_repository):
     from ray import serve
 
     port, _ = start_app(
         "slow",
         model_repository,
-        topology="fused",
+        topology=request.param,
         engine={"kind": "echo", "options": {"delay_ms": ENGINE_DELAY_MS}},
         limits={"max_message_bytes": MAX_MESSAGE_BYTES},
     )
