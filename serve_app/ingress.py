@@ -5,20 +5,19 @@ Ray Serve's own gRPC proxy costs about 18x a plain grpc.aio server per bidi mess
 replica's event loop and talks to the pipeline through DeploymentHandles; one request (all of
 its images) costs one Ray call (topology `fused`) or three (`chained`): serve_app/pipeline.py.
 
-This is the only module that imports grpc and turns errors into status codes.
+The ingress layer (this module, oip.py for the Open Inference Protocol, security.py for TLS
+and tokens) is the only place that imports grpc and turns errors into status codes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -32,7 +31,7 @@ from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from raystream.v1 import classifier_pb2 as pb
 from raystream.v1 import classifier_pb2_grpc as pb_grpc
-from serve_app.config import AppConfig, SecurityConfig
+from serve_app.config import AppConfig
 from serve_app.errors import (
     Code,
     DeadlineExceeded,
@@ -47,6 +46,8 @@ from serve_app.messages import Classified, Preprocessed
 from serve_app.metrics import IngressMetrics, resident_memory_bytes
 from serve_app.oip import OpenInferenceService
 from serve_app.pipeline import ChainedPipeline, FusedPipeline, Pipeline
+from serve_app.security import TokenAuth, server_credentials
+from serve_app.streams import Answer, Request, StreamRunner
 
 logger = logging.getLogger(__name__)
 request_log = logging.getLogger("ray.serve")  # lands in the replica's Serve log file
@@ -57,9 +58,6 @@ SERVICE_NAMES = (
     oip.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
     health.SERVICE_NAME,
 )
-_END = object()
-Request = TypeVar("Request")
-Answer = TypeVar("Answer")
 
 
 class ClassifierService(pb_grpc.ImageClassifierServicer):
@@ -74,8 +72,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         self._pipeline = pipeline
         self.requests_started = 0
         self.requests_in_flight = 0  # requests being answered, all streams and calls
-        self._draining = False
-        self._readers: set[asyncio.Task] = set()  # one per open stream
+        self._streams = StreamRunner(config.limits.max_in_flight_per_stream)
         self._metrics = IngressMetrics()
         self._log_sample_rate = config.log_sample_rate
 
@@ -250,69 +247,12 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         key: Callable[[Request], str] | None = None,
         duplicate: Callable[[Request], Answer] | None = None,
     ) -> AsyncIterator[Answer]:
-        """A bidi stream of any protocol (raystream.v1 and OIP): read with backpressure (at
-        most `max_in_flight_per_stream` requests running), answer each concurrently, yield
-        the answers in completion order. A request whose `key` is already in flight gets
-        `duplicate(request)`. On drain: stop reading, answer what was read, end UNAVAILABLE."""
-        answers: asyncio.Queue = asyncio.Queue()
-        slots = asyncio.Semaphore(self._config.limits.max_in_flight_per_stream)
-        in_flight: set[str] = set()
-        tasks: set[asyncio.Task] = set()
-
-        async def run(request: Request, request_key: str) -> None:
-            try:
-                result = await answer(request)
-            finally:
-                slots.release()
-                in_flight.discard(request_key)
-            await answers.put(result)
-
-        async def read() -> None:
-            requests = aiter(request_iterator)
-            try:
-                while True:
-                    # A slot before the next read (backpressure: stop reading while full),
-                    # so a drain that cancels this task never drops a request already read.
-                    await slots.acquire()
-                    try:
-                        request = await anext(requests)
-                    except StopAsyncIteration:
-                        break
-                    request_key = key(request) if key is not None else ""
-                    if request_key and request_key in in_flight and duplicate is not None:
-                        slots.release()
-                        await answers.put(duplicate(request))
-                        continue
-                    if request_key:
-                        in_flight.add(request_key)
-                    task = asyncio.create_task(run(request, request_key))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-            except asyncio.CancelledError:
-                if not self._draining:
-                    raise
-            finally:
-                answers.put_nowait(_END)
-
-        reader = asyncio.create_task(read())
-        self._readers.add(reader)
-        try:
-            reading = True
-            while reading or tasks or not answers.empty():
-                item = await answers.get()
-                if item is _END:
-                    reading = False
-                    continue
-                yield item
-            reader.result()  # re-raise a transport failure while reading
-        finally:
-            self._readers.discard(reader)
-            reader.cancel()
-            for task in tasks:
-                task.cancel()
-        if self._draining:
-            # Everything read was answered above; what the client sent after that was never
-            # read, so it is safe to send again elsewhere.
+        """A bidi stream of either protocol through the stream runner (serve_app/streams.py);
+        on drain it ends UNAVAILABLE once everything it read is answered."""
+        async for item in self._streams.run(request_iterator, answer, key, duplicate):
+            yield item
+        if self._streams.draining:
+            # What the client sent after reading stopped was never read: safe to resend.
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 "server is shutting down: requests not answered on this stream were not "
@@ -321,9 +261,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
 
     def drain(self) -> None:
         """Shutdown: every stream stops reading, answers what it read, then ends UNAVAILABLE."""
-        self._draining = True
-        for reader in self._readers:
-            reader.cancel()
+        self._streams.drain()
 
     async def ClassifyOnce(self, request, context):
         return await self._respond(request, "unary", context)
@@ -381,62 +319,6 @@ def _fill(response: pb.ClassifyResponse, classified: Classified) -> None:
     response.timing.batch_size = t.batch_size
 
 
-def _server_credentials(security: SecurityConfig) -> grpc.ServerCredentials | None:
-    if security.tls_cert is None:
-        return None
-    ca = security.tls_client_ca.read_bytes() if security.tls_client_ca else None
-    return grpc.ssl_server_credentials(
-        [(security.tls_key.read_bytes(), security.tls_cert.read_bytes())],
-        root_certificates=ca,
-        require_client_auth=ca is not None,
-    )
-
-
-class TokenAuth(grpc.aio.ServerInterceptor):
-    """Checks `authorization: Bearer <token>` before any handler runs; health checks and
-    reflection stay open so load balancers and tools can probe."""
-
-    OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-
-    def __init__(self, token: str) -> None:
-        if not token:
-            raise ValueError("auth_token_file is empty")
-        self._expected = f"Bearer {token}".encode()
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(self.OPEN_PREFIXES):
-            return handler
-        given = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(str(given).encode(), self._expected):
-            return handler
-        return _deny(handler)
-
-
-def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same shape that answers UNAUTHENTICATED and runs nothing."""
-    message = "missing or wrong bearer token in the 'authorization' metadata"
-
-    async def unary(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    async def streaming(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # unreachable: makes this an async generator, as streaming handlers are
-
-    kind = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[(handler.request_streaming, handler.response_streaming)]
-    return kind(
-        streaming if handler.response_streaming else unary,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
-
-
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=8)
 class Ingress:
     """Starts the gRPC server in this replica; it serves until the replica stops."""
@@ -481,7 +363,7 @@ class Ingress:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection((*SERVICE_NAMES, reflection.SERVICE_NAME), self._server)
         address = f"{self._config.host}:{self._config.port}"
-        credentials = _server_credentials(self._config.security)
+        credentials = server_credentials(self._config.security)
         if credentials is None:
             self._port = self._server.add_insecure_port(address)
         else:
