@@ -36,7 +36,7 @@ class GpuJpegDecoder:
         except RuntimeError:
             # One bad JPEG fails the whole batched call: decode one by one to find it.
             return [self._one(j) for j in jpegs]
-        crops = torch.stack([self._crop(image) for image in images])
+        crops = crop_batch(images, self._spec)
         return list(crops.permute(0, 2, 3, 1).contiguous().cpu().numpy())
 
     def _one(self, jpeg: bytes) -> np.ndarray | InvalidImage:
@@ -45,20 +45,29 @@ class GpuJpegDecoder:
         except InvalidImage as exc:
             return exc
 
-    def _crop(self, image: torch.Tensor) -> torch.Tensor:
-        """(3, H, W) uint8 -> (3, S, S) uint8: shorter side to resize_size, center crop."""
-        spec = self._spec
-        _, height, width = image.shape
+
+def crop_batch(images: list[torch.Tensor], spec: PreprocessSpec) -> torch.Tensor:
+    """(3, H, W) uint8 images -> (N, 3, S, S) uint8: shorter side to resize_size, center crop.
+
+    Images of the same size resize in one call (catalog photos often share a size), so the
+    kernel launches grow with the number of distinct sizes, not of images."""
+    size = spec.input_size
+    out = torch.empty((len(images), 3, size, size), dtype=torch.uint8, device=images[0].device)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for index, image in enumerate(images):
+        groups.setdefault(tuple(image.shape[1:]), []).append(index)
+    for (height, width), indices in groups.items():
         scale = spec.resize_size / min(width, height)
-        new_h = max(spec.input_size, round(height * scale))
-        new_w = max(spec.input_size, round(width * scale))
+        new_h = max(size, round(height * scale))
+        new_w = max(size, round(width * scale))
         resized = F.interpolate(
-            image[None].float(),
+            torch.stack([images[i] for i in indices]).float(),
             size=(new_h, new_w),
             mode="bilinear",
             antialias=True,
             align_corners=False,
-        )[0]
-        top, left = (new_h - spec.input_size) // 2, (new_w - spec.input_size) // 2
-        crop = resized[:, top : top + spec.input_size, left : left + spec.input_size]
-        return crop.round_().clamp_(0, 255).to(torch.uint8)
+        )
+        top, left = (new_h - size) // 2, (new_w - size) // 2
+        crop = resized[:, :, top : top + size, left : left + size]
+        out[indices] = crop.round_().clamp_(0, 255).to(torch.uint8)
+    return out

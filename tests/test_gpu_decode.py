@@ -57,3 +57,25 @@ def test_nvjpeg_crops_match_the_cpu_path(model, photos) -> None:
     # A JPEG nvJPEG rejects fails alone, with the CPU path's message.
     good, bad = decoder.crops([jpegs[0], b"\xff\xd8\xff\xdb" + b"\x00" * 64 + b"\xff\xd9"])
     assert isinstance(good, np.ndarray) and isinstance(bad, Exception)
+
+
+def test_crops_batched_by_size_equal_one_at_a_time(model, photos) -> None:
+    """The GPU path's resize + crop, run here on CPU tensors: grouping images of one size
+    into one call changes nothing, and the crops match the CPU path's."""
+    from serve_app.gpu_decode import crop_batch
+    from serve_app.preprocessing import decode
+
+    spec = model.spec.preprocess
+    names = ["chelsea", "coffee", "chelsea", "astronaut", "coffee"]  # repeated sizes group
+    images = [
+        torch.from_numpy(np.array(Image.open(io.BytesIO(photos[n])).convert("RGB")))
+        .permute(2, 0, 1)
+        .contiguous()
+        for n in names
+    ]
+    batched = crop_batch(images, spec)
+    assert batched.shape == (5, 3, 224, 224) and batched.dtype == torch.uint8
+    for image, crop, name in zip(images, batched, names, strict=True):
+        assert torch.equal(crop_batch([image], spec)[0], crop)
+        reference = decode(photos[name], spec).astype(np.int16)
+        assert np.abs(crop.permute(1, 2, 0).numpy().astype(np.int16) - reference).mean() < 3.0
