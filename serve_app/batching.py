@@ -119,26 +119,24 @@ class DynamicBatcher(Generic[T, R]):
         self._queued_images += size
         self._arrived.set()
         result = await pending.future
+        waited_ms = (time.perf_counter() - pending.enqueued) * 1000.0
         if self.adaptive is not None:
-            self.adaptive.observe((time.perf_counter() - pending.enqueued) * 1000.0)
+            self.adaptive.observe(waited_ms)
             self.max_delay_s = self.adaptive.wait_s
-        return result, (time.perf_counter() - pending.enqueued) * 1000.0
+        return result, waited_ms
 
     def _take(self) -> list[_Pending[T, R]]:
         batch, images, now = [], 0, time.time()
         while self._queue:
             head = self._queue[0]
-            if head.future.done():  # cancelled while queued: never reaches the engine
+            expired = head.deadline is not None and head.deadline <= now
+            if head.future.done() or expired:  # cancelled or expired: never reaches the engine
                 self._queue.popleft()
                 self._queued_images -= head.size
-                continue
-            if head.deadline is not None and head.deadline <= now:
-                self._queue.popleft()
-                self._queued_images -= head.size
-                waited = (time.perf_counter() - head.enqueued) * 1000.0
-                head.future.set_exception(
-                    DeadlineExceeded(f"deadline passed after {waited:.0f} ms in the batch queue")
-                )
+                if not head.future.done():
+                    waited = (time.perf_counter() - head.enqueued) * 1000.0
+                    message = f"deadline passed after {waited:.0f} ms in the batch queue"
+                    head.future.set_exception(DeadlineExceeded(message))
                 continue
             if batch and images + head.size > self.max_batch_size:
                 break

@@ -113,8 +113,9 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         try:
             async with timer:
                 if pixels is not None:
-                    pre = Preprocessed(len(pixels), pixels, tuple(range(len(pixels))), ())
-                    return await self._pipeline.classify_preprocessed(pre, top_k, deadline)
+                    indices = tuple(range(len(pixels)))
+                    pre = Preprocessed(len(pixels), pixels, indices, (), deadline=deadline)
+                    return await self._pipeline.classify_preprocessed(pre, top_k)
                 return await self._pipeline.classify(list(request.images), top_k, deadline)
         except TimeoutError:
             if not timer.expired():

@@ -82,7 +82,7 @@ def _pixels(request: oip.ModelInferRequest, input_shape: tuple[int, ...]) -> np.
         )
     if not np.isfinite(data).all():
         raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"input {PIXELS!r} has NaN or inf")
-    return data.astype(np.float32).reshape(shape)
+    return data.astype(np.float32, copy=False).reshape(shape)
 
 
 def _images(request: oip.ModelInferRequest) -> list[bytes]:

@@ -12,7 +12,6 @@ fused    decode in the ingress replica's thread pool, postprocess in the Inferen
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Protocol
 
 from ray.serve.handle import DeploymentHandle
@@ -31,10 +30,9 @@ class Pipeline(Protocol):
         it is waiting, before the engine (DeadlineExceeded)."""
         ...
 
-    async def classify_preprocessed(
-        self, pre: Preprocessed, top_k: int, deadline: float | None = None
-    ) -> Classified:
-        """The same for a client's already-preprocessed float32 tensor: no decoding."""
+    async def classify_preprocessed(self, pre: Preprocessed, top_k: int) -> Classified:
+        """The same for a client's already-preprocessed float32 tensor (its deadline in
+        `pre.deadline`): no decoding."""
         ...
 
 
@@ -54,11 +52,8 @@ class ChainedPipeline:
         inferred = self._inference.remote(preprocessed)
         return await self._postprocess.remote(inferred, top_k)
 
-    async def classify_preprocessed(
-        self, pre: Preprocessed, top_k: int, deadline: float | None = None
-    ) -> Classified:
-        inferred = self._inference.remote(dataclasses.replace(pre, deadline=deadline))
-        return await self._postprocess.remote(inferred, top_k)
+    async def classify_preprocessed(self, pre: Preprocessed, top_k: int) -> Classified:
+        return await self._postprocess.remote(self._inference.remote(pre), top_k)
 
 
 class FusedPipeline:
@@ -85,13 +80,10 @@ class FusedPipeline:
         self, images: list[bytes], top_k: int, deadline: float | None = None
     ) -> Classified:
         preprocessed = await self._preprocessor.run(images, deadline)
-        return await self.classify_preprocessed(preprocessed, top_k, deadline)
+        return await self.classify_preprocessed(preprocessed, top_k)
 
-    async def classify_preprocessed(
-        self, pre: Preprocessed, top_k: int, deadline: float | None = None
-    ) -> Classified:
-        pre = dataclasses.replace(pre, deadline=deadline)
-        result, _ = await self._calls.submit((pre, top_k), deadline)
+    async def classify_preprocessed(self, pre: Preprocessed, top_k: int) -> Classified:
+        result, _ = await self._calls.submit((pre, top_k), pre.deadline)
         if isinstance(result, Exception):
             raise result
         return result

@@ -201,9 +201,9 @@ class Inference:
         # The engine runs in its own threads so the replica's event loop keeps accepting
         # requests while a batch runs. A CPU engine already uses every core for one batch;
         # a GPU engine overlaps two (its slots). user_config's max_concurrent_batches changes it.
-        self._default_concurrency = 1 if self._engine.info.device == "cpu" else 2
-        workers = MAX_CONCURRENT_BATCHES
-        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="engine")
+        cpu = self._engine.info.device == "cpu"
+        self._default_concurrency = 1 if cpu else MAX_CONCURRENT_BATCHES
+        self._executor = ThreadPoolExecutor(MAX_CONCURRENT_BATCHES, thread_name_prefix="engine")
         self._gpu_decoder = None
         if config.decode == "gpu":
             from serve_app.gpu_decode import GpuJpegDecoder
@@ -219,7 +219,7 @@ class Inference:
                 self._run_engine,
                 len,
                 max_batch_size=self._batching.max_batch_size,
-                max_concurrent=workers,
+                max_concurrent=MAX_CONCURRENT_BATCHES,
                 max_queued=self._batching.max_queued_images,
             )
             for dtype in (np.uint8, np.float32)
