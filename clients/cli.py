@@ -158,7 +158,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         loads = [base]
     reports = []
     for load in loads:
-        report = asyncio.run(loadgen.run_load(args.server, load, **_connection(args)))
+        report = asyncio.run(
+            loadgen.run_load(args.server, load, args.processes, **_connection(args))
+        )
         label = (
             f"rate {load.rate:.0f}/s" if load.rate else f"{load.streams} streams x {load.in_flight}"
         )
@@ -318,6 +320,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="spread the streams over this many TCP connections (several ingress replicas)",
+    )
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="split the streams over this many load-generator processes (one Python "
+        "process tops out at a few thousand images/s)",
     )
     p.add_argument("--top-k", type=int, default=5)
     p.add_argument("--sweep", help="comma-separated stream counts (or rates with --rate)")

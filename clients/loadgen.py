@@ -13,10 +13,12 @@ import collections
 import contextlib
 import io
 import itertools
+import multiprocessing
 import random
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -116,6 +118,14 @@ class _Recorder:
             self.server[key] += getattr(t, key)
         self.batch_sizes.append(t.batch_size)
 
+    def merge(self, other: _Recorder) -> None:
+        self.latencies += other.latencies
+        self.errors.update(other.errors)
+        for key, value in other.server.items():
+            self.server[key] += value
+        self.batch_sizes += other.batch_sizes
+        self.images += other.images
+
 
 async def _requests(
     workload: Workload,
@@ -174,14 +184,65 @@ async def _one_stream(
         pass  # every unanswered request was recorded with the stream's status code above
 
 
-async def run_load(address: str, workload: Workload, **client_options: object) -> Report:
-    """Run `workload` against `address`; `client_options` go to Client (token, TLS)."""
+async def run_load(
+    address: str, workload: Workload, processes: int = 1, **client_options: object
+) -> Report:
+    """Run `workload` against `address`; `client_options` go to Client (token, TLS).
+
+    With `processes` > 1 the streams (and the rate) are split over that many load-generator
+    processes that start sending at the same moment: one Python process tops out at a few
+    thousand images/s, below what a GPU server takes."""
+    if processes <= 1:
+        recorder, elapsed = await _record_load(address, workload, None, client_options)
+        return _report(recorder, elapsed, workload)
+    if workload.streams < processes:
+        raise ValueError(f"--processes {processes} needs at least as many streams")
+    shares = [
+        replace(
+            workload,
+            streams=len(range(i, workload.streams, processes)),
+            rate=workload.rate * len(range(i, workload.streams, processes)) / workload.streams
+            if workload.rate
+            else None,
+            connections=max(1, len(range(i, workload.connections, processes))),
+        )
+        for i in range(processes)
+    ]
+    start_at = time.time() + 5.0 + 0.5 * processes  # after every process has connected
+    loop = asyncio.get_running_loop()
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(processes, mp_context=context) as pool:
+        results = await asyncio.gather(
+            *(
+                loop.run_in_executor(pool, _load_process, address, share, start_at, client_options)
+                for share in shares
+            )
+        )
+    merged = _Recorder()
+    for recorder, _ in results:
+        merged.merge(recorder)
+    report = _report(merged, max(elapsed for _, elapsed in results), workload)
+    report.offered["processes"] = processes
+    return report
+
+
+def _load_process(
+    address: str, workload: Workload, start_at: float, client_options: dict
+) -> tuple[_Recorder, float]:
+    return asyncio.run(_record_load(address, workload, start_at, client_options))
+
+
+async def _record_load(
+    address: str, workload: Workload, start_at: float | None, client_options: dict
+) -> tuple[_Recorder, float]:
     recorder = _Recorder()
     clients = [Client(address, **client_options) for _ in range(workload.connections)]
     async with contextlib.AsyncExitStack() as stack:
         for client in clients:
             await stack.enter_async_context(client)
             await client.wait_ready(timeout=30)
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
         start = time.perf_counter()
         deadline = start + workload.duration_s
         await asyncio.gather(
@@ -191,7 +252,7 @@ async def run_load(address: str, workload: Workload, **client_options: object) -
             )
         )
         elapsed = time.perf_counter() - start
-    return _report(recorder, elapsed, workload)
+    return recorder, elapsed
 
 
 def _report(recorder: _Recorder, elapsed: float, workload: Workload) -> Report:

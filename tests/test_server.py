@@ -201,6 +201,10 @@ async def test_load_generator_reports_what_it_sent(server, photos, tmp_path: Pat
     assert report.images_per_s > 0 and report.mean_batch_size >= 2
     assert report.latency_ms["p50"] <= report.latency_ms["p99"] <= report.latency_ms["max"]
     plot_sweep([report, report], tmp_path / "sweep.png", "test")
+    # Split over two processes: the same requests, counted once each.
+    report = await run_load(server, workload, processes=2)
+    assert report.requests == 10 and not report.errors and report.images_per_s > 0
+    assert report.offered["processes"] == 2
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
 
 
