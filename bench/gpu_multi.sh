@@ -1,60 +1,102 @@
 #!/usr/bin/env bash
-# Multi-GPU scaling on one host (issue 3), for the two-GPU H200 machine:
-#   bash bench/gpu_multi.sh A B     then     bash bench/gpu_multi.sh C D
+# Replica layouts on one and two GPUs (issues 3 and 5), for the two-GPU H200 machine:
+#   bash bench/gpu_multi.sh C2 C4 D4 D8
 # Each variant starts raystream from deploy/serve_config.gpu.yaml (fused, nvJPEG decode in the
 # inference replicas, torch-CUDA FP16) with its own replica layout and GPU visibility, runs the
-# same saturating load, stops, and appends one row to $OUT/table.txt:
+# same saturating load from $PROCS load-generator processes, stops, and appends one row to
+# $LOGS/table.txt:
 #   A  1 GPU : 1 ingress, 1 inference replica x 1 GPU
 #   B  2 GPUs: 1 ingress, 2 inference replicas x 1 GPU (one per GPU)
-#   C  1 GPU : 2 ingress replicas (one port, SO_REUSEPORT), 2 inference replicas x 0.5 GPU
-#   D  2 GPUs: 2 ingress replicas, 4 inference replicas x 0.5 GPU
-source bench/gpu_env.sh
+#   C2 1 GPU : 2 ingress replicas (one port, SO_REUSEPORT), 2 inference replicas x 0.5 GPU
+#   C4 1 GPU : 4 ingress replicas, 4 inference replicas x 0.25 GPU
+#   D4 2 GPUs: 4 ingress replicas, 4 inference replicas x 0.5 GPU  (C2 on each GPU)
+#   D8 2 GPUs: 8 ingress replicas, 8 inference replicas x 0.25 GPU (C4 on each GPU)
+# PROFILE="C4" samples one ingress and one inference replica of those variants with py-spy
+# (carry .whl with the py-spy wheel) and LATENCY="C4" adds, for those variants, open-loop
+# Poisson load at half the saturated request rate and one-image requests one at a time.
+# Logs go to $LOGS (default $OUT/logs); the table is printed last.
+# NO_GPU_ENV=1 BASE_CONFIG=deploy/serve_config.yaml: a smoke run on a CPU box (own venv).
+[ -n "${NO_GPU_ENV:-}" ] || source bench/gpu_env.sh
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast stays off
-nvidia-smi -L | tee "$OUT/gpus.txt"
+export LOGS=${LOGS:-$OUT/logs} PROCS=${PROCS:-4} DURATION=${DURATION:-20}
+PROFILE=${PROFILE:-} LATENCY=${LATENCY:-}
+mkdir -p "$LOGS"
+nvidia-smi -L | tee "$LOGS/gpus.txt"
+nproc >> "$LOGS/gpus.txt"
 timeout 150 raystream export --repository models --if-missing 2>&1 | tail -1
+
+bench() {  # bench NAME ARGS...: one load, its line into the table
+  local name=$1; shift
+  timeout 120 raystream bench --batch-size 32 --processes "$PROCS" --out "$LOGS/$name" "$@" \
+    2>&1 | grep -v INFO | tee "$LOGS/$name.bench.txt"
+  python3 - "$name" "$*" >> "$LOGS/table.txt" <<'PY'
+import json, os, sys
+name, args = sys.argv[1:]
+r = json.load(open(f"{os.environ['LOGS']}/{name}/bench.json"))["reports"][0]
+lat = r["latency_ms"]
+print(f"{name:<10} {r['images_per_s']:8.1f} img/s p50 {lat['p50']:7.1f} p99 {lat['p99']:7.1f} "
+      f"ms batch {r['mean_batch_size']:5.1f} errors {r['errors'] or 0}  [{args}]")
+PY
+}
+
+profile() {  # py-spy a replica of each kind mid-load (raw stacks; bench/profile_summary.py)
+  local name=$1 pid
+  sleep 8
+  top -b -c -n 1 -w 250 | head -45 > "$LOGS/$name.top.txt"
+  for role in Ingress Inference; do
+    pid=$(pgrep -f "ServeReplica:raystream:$role" | head -1)
+    [ -n "$pid" ] && py-spy record --pid "$pid" --duration 8 --rate 100 --nonblocking \
+      --format raw --output "$LOGS/$name.$role.pyspy.txt" > /dev/null 2>&1 &
+  done
+  wait
+}
 
 variant() {
   local name=$1 visible=$2 ingress=$3 replicas=$4 gpus=$5
   python3 - "$name" "$ingress" "$replicas" "$gpus" <<'PY'
-import sys, yaml
+import os, sys, yaml
 name, ingress, replicas, gpus = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-config = yaml.safe_load(open("deploy/serve_config.gpu.yaml"))
+config = yaml.safe_load(open(os.environ.get("BASE_CONFIG", "deploy/serve_config.gpu.yaml")))
 app = config["applications"][0]
 # Calls small enough to spread over the replicas, enough of them to keep each one busy.
 app["args"].update(requests_per_call=8, max_calls_in_flight=4 * replicas)
 for d in app["deployments"]:
     if d["name"] == "Ingress":
         d["num_replicas"] = ingress
+        # logical CPUs: 8 ingress + 8 inference replicas fit the 32 cores
+        d["ray_actor_options"]["num_cpus"] = float(os.environ.get("REPLICA_CPUS", 2))
     if d["name"] == "Inference":
         d["num_replicas"] = replicas
-        d["ray_actor_options"]["num_gpus"] = gpus
+        d["ray_actor_options"].update(
+            num_gpus=gpus, num_cpus=float(os.environ.get("REPLICA_CPUS", 2))
+        )
 yaml.safe_dump(config, open(f"/tmp/{name}.yaml", "w"))
 PY
-  CUDA_VISIBLE_DEVICES=$visible raystream serve --config /tmp/$name.yaml > "$OUT/$name.serve.log" 2>&1 &
-  local pid=$!
+  CUDA_VISIBLE_DEVICES=$visible raystream serve --config /tmp/$name.yaml > "$LOGS/$name.serve.log" 2>&1 &
+  local pid=$! started=$SECONDS
   for i in $(seq 240); do
-    grep -q "raystream ready" "$OUT/$name.serve.log" && break
+    grep -q "raystream ready" "$LOGS/$name.serve.log" && break
     kill -0 $pid 2>/dev/null || break  # it exited: no point waiting
     sleep 1
   done
-  if grep -q "raystream ready" "$OUT/$name.serve.log"; then
-    echo "$name ready after ${i}s"
-    timeout 100 raystream bench --streams 16 --in-flight 4 --batch-size 32 --duration 25 \
-      --connections "$ingress" --out "$OUT/$name" 2>&1 | grep -v INFO | tee "$OUT/$name.bench.txt"
-    python3 - "$name" "$visible" "$ingress" "$replicas" "$gpus" >> "$OUT/table.txt" <<'PY'
-import json, sys
-name, visible, ingress, replicas, gpus = sys.argv[1:]
-r = json.load(open(f"{__import__('os').environ['OUT']}/{name}/bench.json"))["reports"][0]
-print(f"{name} gpus={visible:<4} ingress={ingress} inference={replicas}x{gpus}gpu "
-      f"{r['images_per_s']:8.1f} img/s p50 {r['latency_ms']['p50']:6.1f} p99 "
-      f"{r['latency_ms']['p99']:6.1f} ms batch {r['mean_batch_size']:5.1f} errors {r['errors']}")
-PY
+  if grep -q "raystream ready" "$LOGS/$name.serve.log"; then
+    echo "$name ready after $((SECONDS - started)) s"
+    local profiler=
+    [[ " $PROFILE " == *" $name "* ]] && { profile "$name" & profiler=$!; }
+    bench "$name" --streams 16 --in-flight 4 --duration "$DURATION" --connections "$ingress"
+    [ -n "$profiler" ] && wait "$profiler"
+    nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv > "$LOGS/$name.smi.txt"
+    if [[ " $LATENCY " == *" $name "* ]]; then
+      local rate
+      rate=$(python3 -c "import json; print(json.load(open('$LOGS/$name/bench.json'))['reports'][0]['requests_per_s'] / 2)")
+      bench "$name-half" --streams 16 --rate "$rate" --duration "$DURATION" --connections "$ingress"
+      PROCS=1 bench "$name-low" --streams 1 --in-flight 1 --batch-size 1 --duration 10
+    fi
   else
-    echo "$name did not start"; tail -40 "$OUT/$name.serve.log"
+    echo "$name did not start"; tail -40 "$LOGS/$name.serve.log"
   fi
-  nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv > "$OUT/$name.smi.txt"
   kill -INT $pid; sleep 5
-  python3 /tmp/site/bin/ray stop --force > /dev/null 2>&1
+  python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
   for i in $(seq 60); do (echo > /dev/tcp/127.0.0.1/9000) 2>/dev/null || break; sleep 1; done
   (echo > /dev/tcp/127.0.0.1/9000) 2>/dev/null && { echo "port 9000 still served: stopping"; exit 1; }
 }
@@ -63,8 +105,12 @@ for v in "$@"; do
   case $v in
     A) variant A 0 1 1 1 ;;
     B) variant B 0,1 1 2 1 ;;
-    C) variant C 0 2 2 0.5 ;;
-    D) variant D 0,1 2 4 0.5 ;;
+    C2) variant C2 0 2 2 0.5 ;;
+    C4) variant C4 0 4 4 0.25 ;;
+    D4) variant D4 0,1 4 4 0.5 ;;
+    D8) variant D8 0,1 8 8 0.25 ;;
+    S) variant S "" 2 1 0 ;;  # smoke run on a CPU box
+    *) echo "unknown variant $v" ;;
   esac
 done
-echo "== table"; cat "$OUT/table.txt"
+echo "== table"; cat "$LOGS/table.txt"

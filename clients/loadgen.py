@@ -193,7 +193,7 @@ async def run_load(
     processes that start sending at the same moment: one Python process tops out at a few
     thousand images/s, below what a GPU server takes."""
     if processes <= 1:
-        recorder, elapsed = await _record_load(address, workload, None, client_options)
+        recorder, elapsed = await _record_load(address, workload, None, 0, client_options)
         return _report(recorder, elapsed, workload)
     if workload.streams < processes:
         raise ValueError(f"--processes {processes} needs at least as many streams")
@@ -214,8 +214,15 @@ async def run_load(
     with ProcessPoolExecutor(processes, mp_context=context) as pool:
         results = await asyncio.gather(
             *(
-                loop.run_in_executor(pool, _load_process, address, share, start_at, client_options)
-                for share in shares
+                # Global stream numbers: distinct request ids and arrival seeds per process.
+                loop.run_in_executor(
+                    pool, _load_process, address, share, start_at, first, client_options
+                )
+                for share, first in zip(
+                    shares,
+                    itertools.accumulate((s.streams for s in shares), initial=0),
+                    strict=False,
+                )
             )
         )
     merged = _Recorder()
@@ -227,13 +234,17 @@ async def run_load(
 
 
 def _load_process(
-    address: str, workload: Workload, start_at: float, client_options: dict
+    address: str, workload: Workload, start_at: float, first_stream: int, client_options: dict
 ) -> tuple[_Recorder, float]:
-    return asyncio.run(_record_load(address, workload, start_at, client_options))
+    return asyncio.run(_record_load(address, workload, start_at, first_stream, client_options))
 
 
 async def _record_load(
-    address: str, workload: Workload, start_at: float | None, client_options: dict
+    address: str,
+    workload: Workload,
+    start_at: float | None,
+    first_stream: int,
+    client_options: dict,
 ) -> tuple[_Recorder, float]:
     recorder = _Recorder()
     clients = [Client(address, **client_options) for _ in range(workload.connections)]
@@ -247,7 +258,9 @@ async def _record_load(
         deadline = start + workload.duration_s
         await asyncio.gather(
             *(
-                _one_stream(clients[i % len(clients)], workload, recorder, deadline, i)
+                _one_stream(
+                    clients[i % len(clients)], workload, recorder, deadline, first_stream + i
+                )
                 for i in range(workload.streams)
             )
         )
