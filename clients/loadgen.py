@@ -143,6 +143,8 @@ async def _requests(
             return
         if per_stream_rate:
             next_at += rng.expovariate(per_stream_rate)
+            if next_at >= deadline:  # do not sleep past the end (it would count as run time)
+                return
             await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
         else:
             await slots.acquire()

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -205,6 +206,12 @@ async def test_load_generator_reports_what_it_sent(server, photos, tmp_path: Pat
     report = await run_load(server, workload, processes=2)
     assert report.requests == 10 and not report.errors and report.images_per_s > 0
     assert report.offered["processes"] == 2
+    # Open loop at a low rate: arrivals due after the end are not waited for.
+    report = await run_load(
+        server, replace(workload, rate=1.0, streams=4, duration_s=3, max_requests=None)
+    )
+    assert report.requests > 0 and not report.errors
+    assert report.requests / report.requests_per_s < 3 + 2  # seconds the run took
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
 
 
