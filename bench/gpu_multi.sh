@@ -13,13 +13,14 @@
 #   D8 2 GPUs: 8 ingress replicas, 8 inference replicas x 0.25 GPU (C4 on each GPU)
 # PROFILE="C4" samples one ingress and one inference replica of those variants with py-spy
 # (carry .whl with the py-spy wheel) and LATENCY="C4" adds, for those variants, open-loop
-# Poisson load at half the saturated request rate and one-image requests one at a time.
+# Poisson load at half the best saturated request rate and one-image requests one at a time.
+# IN_FLIGHT="4 8": the closed-loop loads (requests in flight per stream) each variant runs.
 # Logs go to $LOGS (default $OUT/logs); the table is printed last.
 # NO_GPU_ENV=1 BASE_CONFIG=deploy/serve_config.yaml: a smoke run on a CPU box (own venv).
 [ -n "${NO_GPU_ENV:-}" ] || source bench/gpu_env.sh
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast stays off
 export LOGS=${LOGS:-$OUT/logs} PROCS=${PROCS:-4} DURATION=${DURATION:-20}
-PROFILE=${PROFILE:-} LATENCY=${LATENCY:-}
+PROFILE=${PROFILE:-} LATENCY=${LATENCY:-} IN_FLIGHT=${IN_FLIGHT:-4 8}
 mkdir -p "$LOGS"
 nvidia-smi -L | tee "$LOGS/gpus.txt"
 nproc >> "$LOGS/gpus.txt"
@@ -41,8 +42,8 @@ PY
 
 profile() {  # py-spy a replica of each kind mid-load (raw stacks; bench/profile_summary.py)
   local name=$1 pid
-  sleep 8
-  top -b -c -n 1 -w 250 | head -45 > "$LOGS/$name.top.txt"
+  sleep 14  # the load generator's processes start sending after about 8 s
+  top -b -c -d 2 -n 2 -w 250 | awk '/^top -/ {n++} n == 2'  | head -45 > "$LOGS/$name.top.txt"
   for role in Ingress Inference; do
     pid=$(pgrep -f "ServeReplica:raystream:$role" | head -1)
     [ -n "$pid" ] && py-spy record --pid "$pid" --duration 8 --rate 100 --nonblocking \
@@ -83,12 +84,17 @@ PY
     echo "$name ready after $((SECONDS - started)) s"
     local profiler=
     [[ " $PROFILE " == *" $name "* ]] && { profile "$name" & profiler=$!; }
-    bench "$name" --streams 16 --in-flight 4 --duration "$DURATION" --connections "$ingress"
+    local best=0 flight
+    for flight in $IN_FLIGHT; do  # closed loop: 16 streams x this many requests of 32 images
+      bench "$name-f$flight" --streams 16 --in-flight "$flight" --duration "$DURATION" \
+        --connections "$ingress"
+      best=$(python3 -c "import json; r=json.load(open('$LOGS/$name-f$flight/bench.json'))['reports'][0]; print(max($best, r['requests_per_s']))")
+    done
     [ -n "$profiler" ] && wait "$profiler"
     nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv > "$LOGS/$name.smi.txt"
     if [[ " $LATENCY " == *" $name "* ]]; then
       local rate
-      rate=$(python3 -c "import json; print(json.load(open('$LOGS/$name/bench.json'))['reports'][0]['requests_per_s'] / 2)")
+      rate=$(python3 -c "print($best / 2)")  # half the best saturated request rate
       bench "$name-half" --streams 16 --rate "$rate" --duration "$DURATION" --connections "$ingress"
       PROCS=1 bench "$name-low" --streams 1 --in-flight 1 --batch-size 1 --duration 10
     fi

@@ -12,6 +12,8 @@ path to within a few grey levels, not bit for bit (tests/test_gpu_decode.py).
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -30,14 +32,23 @@ class GpuJpegDecoder:
 
     def crops(self, jpegs: list[bytes]) -> list[np.ndarray | InvalidImage]:
         """uint8 (H, W, 3) crops in host memory, or the InvalidImage for each JPEG."""
-        data = [torch.frombuffer(bytearray(j), dtype=torch.uint8) for j in jpegs]
+        return self.crops_many([jpegs])[0]
+
+    def crops_many(self, requests: list[list[bytes]]) -> list[list[np.ndarray | InvalidImage]]:
+        """Several requests' JPEGs in one batched decode (one resize per distinct size).
+        A bad JPEG fails the whole batched call: then each request is decoded on its own,
+        and only the one holding the bad JPEG goes image by image."""
+        flat = [jpeg for jpegs in requests for jpeg in jpegs]
+        data = [torch.frombuffer(bytearray(j), dtype=torch.uint8) for j in flat]
         try:
             images = self._decode_jpeg(data, mode=self._mode, device=self._device)
         except RuntimeError:
-            # One bad JPEG fails the whole batched call: decode one by one to find it.
-            return [self._one(j) for j in jpegs]
-        crops = crop_batch(images, self._spec)
-        return list(crops.permute(0, 2, 3, 1).contiguous().cpu().numpy())
+            if len(requests) == 1:
+                return [[self._one(jpeg) for jpeg in requests[0]]]
+            return [self.crops_many([jpegs])[0] for jpegs in requests]
+        crops = crop_batch(images, self._spec).permute(0, 2, 3, 1).contiguous().cpu().numpy()
+        bounds = itertools.accumulate((len(jpegs) for jpegs in requests), initial=0)
+        return [list(crops[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
 
     def _one(self, jpeg: bytes) -> np.ndarray | InvalidImage:
         try:

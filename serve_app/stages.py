@@ -166,6 +166,8 @@ class _Ran:
 
 
 MAX_CONCURRENT_BATCHES = 2  # GPU engines hold this many slots (engines/cuda_graphs.py)
+DECODE_BATCHES = 2  # decode: gpu: batched nvJPEG calls at once in a replica ...
+DECODE_BATCH_IMAGES = 256  # ... of at most this many JPEGs (several requests)
 
 
 def _images_in(items: list[_Queued]) -> int:
@@ -208,8 +210,17 @@ class Inference:
         if config.decode == "gpu":
             from serve_app.gpu_decode import GpuJpegDecoder
 
-            self._decode_executor = ThreadPoolExecutor(4, thread_name_prefix="nvjpeg")
             self._gpu_decoder = GpuJpegDecoder(model.spec.preprocess, _decode_limits(config))
+            self._decode_executor = ThreadPoolExecutor(DECODE_BATCHES, thread_name_prefix="nvjpeg")
+            # The JPEGs of every request waiting here decode together: one nvJPEG call and
+            # one resize per distinct image size for up to DECODE_BATCH_IMAGES images, where
+            # one call per request left the replica's Python thread as the limit (py-spy).
+            self._decode_batcher = DynamicBatcher(
+                self._decode_batch,
+                len,
+                max_batch_size=DECODE_BATCH_IMAGES,
+                max_concurrent=DECODE_BATCHES,
+            )
         self._batching = BatchingConfig()
         self._metrics = InferenceMetrics()
         self._images_inferred = 0
@@ -241,6 +252,8 @@ class Inference:
             batcher.max_delay_s = batching.batch_wait_timeout_s
             batcher.max_queued = batching.max_queued_images
             batcher.set_concurrency(batching.max_concurrent_batches or self._default_concurrency)
+        if self._gpu_decoder is not None:
+            self._decode_batcher.max_queued = batching.max_queued_images
             batcher.adaptive = None
             if batching.target_p99_ms > 0:
                 batcher.max_delay_s = 0.0  # AdaptiveWait raises it while latency allows
@@ -326,9 +339,7 @@ class Inference:
     async def _decode_jpegs(self, pre: Preprocessed) -> Preprocessed:
         """decode: gpu: turn the request's encoded JPEGs into crops beside its other pixels."""
         start = time.perf_counter()
-        crops = await asyncio.get_running_loop().run_in_executor(
-            self._decode_executor, self._gpu_decoder.crops, list(pre.jpegs)
-        )
+        crops, _ = await self._decode_batcher.submit(list(pre.jpegs), pre.deadline)
         good = [
             (i, c)
             for i, c in zip(pre.jpeg_indices, crops, strict=True)
@@ -351,6 +362,11 @@ class Inference:
             timing=timing,
             jpegs=(),
             jpeg_indices=(),
+        )
+
+    async def _decode_batch(self, requests: list[list[bytes]]) -> list[list]:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._decode_executor, self._gpu_decoder.crops_many, requests
         )
 
     async def _infer(self, pre: Preprocessed) -> Inferred:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import io
 
@@ -15,6 +16,8 @@ from serve_app.stages import Preprocessor
 
 from conftest import encode
 
+CATS = range(281, 286)
+COFFEE = {967, 968, 504}
 HAS_GPU_DECODE = importlib.util.find_spec("torchvision") is not None and torch.cuda.is_available()
 
 
@@ -57,6 +60,8 @@ def test_nvjpeg_crops_match_the_cpu_path(model, photos) -> None:
     # A JPEG nvJPEG rejects fails alone, with the CPU path's message.
     good, bad = decoder.crops([jpegs[0], b"\xff\xd8\xff\xdb" + b"\x00" * 64 + b"\xff\xd9"])
     assert isinstance(good, np.ndarray) and isinstance(bad, Exception)
+    both = decoder.crops_many([jpegs[:1], jpegs[1:]])
+    assert [len(c) for c in both] == [1, 3]
 
 
 def test_crops_batched_by_size_equal_one_at_a_time(model, photos) -> None:
@@ -79,3 +84,86 @@ def test_crops_batched_by_size_equal_one_at_a_time(model, photos) -> None:
         assert torch.equal(crop_batch([image], spec)[0], crop)
         reference = decode(photos[name], spec).astype(np.int16)
         assert np.abs(crop.permute(1, 2, 0).numpy().astype(np.int16) - reference).mean() < 3.0
+
+
+def _pil_decode_jpeg(data, mode, device):
+    """Stands in for torchvision's batched decode_jpeg on a CPU box: same inputs and outputs,
+    and like nvJPEG one bad JPEG fails the whole call with a RuntimeError."""
+    out = []
+    for tensor in data:
+        try:
+            image = Image.open(io.BytesIO(tensor.numpy().tobytes())).convert("RGB")
+        except Exception as exc:
+            raise RuntimeError(f"decode failed: {exc}") from exc
+        out.append(torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).to(device))
+    return out
+
+
+def test_requests_decode_together_and_a_bad_jpeg_fails_alone(model, photos) -> None:
+    from serve_app.gpu_decode import GpuJpegDecoder
+    from serve_app.preprocessing import DecodeLimits, decode
+
+    spec = model.spec.preprocess
+    decoder = GpuJpegDecoder.__new__(GpuJpegDecoder)
+    decoder._spec, decoder._limits, decoder._device = spec, DecodeLimits(), torch.device("cpu")
+    calls = []
+    decoder._decode_jpeg = lambda data, mode, device: (
+        calls.append(len(data)) or _pil_decode_jpeg(data, mode, device)
+    )
+    decoder._mode = None
+    first = [photos["chelsea"], photos["coffee"]]
+    second = [photos["rocket"], photos["chelsea"], photos["astronaut"]]
+    crops = decoder.crops_many([first, second])
+    assert calls == [5]  # one call for both requests
+    assert [len(c) for c in crops] == [2, 3]
+    for jpeg, crop in zip(first + second, crops[0] + crops[1], strict=True):
+        reference = decode(jpeg, spec).astype(np.int16)
+        assert np.abs(crop.astype(np.int16) - reference).mean() < 3.0
+    calls.clear()
+    bad = [photos["coffee"], b"\xff\xd8\xff\xdb" + b"\x00" * 64 + b"\xff\xd9"]
+    crops = decoder.crops_many([first, bad, second])
+    assert calls == [7, 2, 2, 3]  # all, then each request; the bad one goes one by one
+    assert [len(c) for c in crops] == [2, 2, 3]
+    assert isinstance(crops[1][0], np.ndarray) and isinstance(crops[1][1], Exception)
+    assert all(isinstance(c, np.ndarray) for c in crops[0] + crops[2])
+
+
+async def test_inference_replica_decodes_waiting_requests_together(
+    model_repository, photos, monkeypatch
+) -> None:
+    """decode: gpu through the Inference deployment's own code (the stand-in decoder on the
+    CPU): requests that wait together decode in one call, and each keeps its own answers."""
+    from serve_app import gpu_decode
+    from serve_app.config import BatchingConfig
+    from serve_app.stages import Inference
+
+    calls = []
+
+    def stand_in(self, spec, limits, device="cuda"):
+        self._spec, self._limits, self._device = spec, limits, torch.device("cpu")
+        self._mode = None
+        self._decode_jpeg = lambda data, mode, device: (
+            calls.append(len(data)) or _pil_decode_jpeg(data, mode, device)
+        )
+
+    monkeypatch.setattr(gpu_decode.GpuJpegDecoder, "__init__", stand_in)
+    config = AppConfig(model_repository=model_repository, decode="gpu")
+    replica = Inference.func_or_class.__new__(Inference.func_or_class)
+    await replica.__init__(config.model_dump())
+    replica.reconfigure(BatchingConfig().model_dump())
+    preprocessor = Preprocessor(config)
+    requests = [
+        [photos["chelsea"], b"junk", photos["coffee"]],
+        [photos["coffee"]],
+        [photos["chelsea"], photos["chelsea"]],
+    ]
+    pres = [await preprocessor.run(images) for images in requests]
+    calls.clear()  # the replica's start-up
+    answers = await asyncio.gather(*(replica(pre, 1) for pre in pres))
+    top = [
+        [o.labels[0].class_id if o.labels else o.failure.code for o in a.outcomes] for a in answers
+    ]
+    assert top[0][1] == 3  # the junk bytes: INVALID_ARGUMENT, at their position
+    assert top[0][0] in CATS and top[0][2] in COFFEE and top[1][0] in COFFEE
+    assert all(i in CATS for i in top[2])
+    assert sum(calls) == 5 and len(calls) < 3  # 5 JPEGs in fewer calls than requests
