@@ -166,8 +166,12 @@ class _Ran:
 
 
 MAX_CONCURRENT_BATCHES = 2  # GPU engines hold this many slots (engines/cuda_graphs.py)
-DECODE_BATCHES = 2  # decode: gpu: batched nvJPEG calls at once in a replica ...
-DECODE_BATCH_IMAGES = 256  # ... of at most this many JPEGs (several requests)
+# decode: gpu: batched nvJPEG calls at once in a replica, of at most this many JPEGs (from
+# one or several requests). Part of nvJPEG's work runs on the calling CPU thread, so calls in
+# parallel matter more than size: 2 calls of up to 256 delivered 6,577 img/s on one H200
+# where 4 calls of 32 (one request each) delivered 7,753 (docs/benchmarks.md, section 2c).
+DECODE_BATCHES = 4
+DECODE_BATCH_IMAGES = 32
 
 
 def _images_in(items: list[_Queued]) -> int:
@@ -212,9 +216,8 @@ class Inference:
 
             self._gpu_decoder = GpuJpegDecoder(model.spec.preprocess, _decode_limits(config))
             self._decode_executor = ThreadPoolExecutor(DECODE_BATCHES, thread_name_prefix="nvjpeg")
-            # The JPEGs of every request waiting here decode together: one nvJPEG call and
-            # one resize per distinct image size for up to DECODE_BATCH_IMAGES images, where
-            # one call per request left the replica's Python thread as the limit (py-spy).
+            # Small requests waiting here decode together: one nvJPEG call and one resize
+            # per distinct image size for up to DECODE_BATCH_IMAGES images.
             self._decode_batcher = DynamicBatcher(
                 self._decode_batch,
                 len,
