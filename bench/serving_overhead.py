@@ -2,8 +2,8 @@
 implementing raystream.v1.ImageClassifier with no work at all, (2) the same plain server
 decoding and cropping each image as raystream does, and (3) raystream on Ray Serve with the
 `echo` engine (no model) in each topology, on the default model's 224x224 input, and (4)
-raystream fused with the echo engine on an `identity` model whose input is 8x8, so that the
-tiny 8x8 PNGs are decoded but not resized: the pure serving path. Every server answers one
+raystream fused and direct with the echo engine on an `identity` model whose input is 8x8, so that
+the tiny 8x8 PNGs are decoded but not resized: the pure serving path. Every server answers one
 label per image (top_k 1). Prints images/s and the ratios to (1) and (2).
 
     python bench/serving_overhead.py --streams 4 --in-flight 4 --batch-size 8 --duration 15
@@ -152,13 +152,14 @@ def main() -> None:
     env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"} if args.same_thread else {}
     ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     serve.start(proxy_location="Disabled")
-    for topology in ("fused", "chained"):
+    for topology in ("fused", "chained", "direct"):
         results[f"raystream {topology}, echo engine"] = raystream_rate(
             workload, topology, args.repository
         )
-    results["raystream fused, identity 8x8"] = raystream_rate(
-        workload, "fused", identity_repository(args.repository), model="identity"
-    )
+    for topology in ("fused", "direct"):
+        results[f"raystream {topology}, identity 8x8"] = raystream_rate(
+            workload, topology, identity_repository(args.repository), model="identity"
+        )
     serve.shutdown()
     ray.shutdown()
     base = results["plain grpc.aio"]["images_per_s"]

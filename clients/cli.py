@@ -248,7 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="gRPC port (default from config: 9000)")
     p.add_argument("--engine", choices=["auto", "onnxruntime", "torch-cuda", "tensorrt", "echo"])
     p.add_argument("--model-repository", help="model repository directory")
-    p.add_argument("--topology", choices=["chained", "fused"], help="see README, Architecture")
+    p.add_argument(
+        "--topology", choices=["chained", "fused", "direct"], help="see README, Architecture"
+    )
     p.add_argument("--decode", choices=["cpu", "gpu"], help="where JPEGs are decoded")
     p.add_argument(
         "--ready-timeout",

@@ -36,12 +36,21 @@ def _serve_config(path: Path, overrides: dict) -> tuple[dict, object]:
         merge = isinstance(value, dict) and isinstance(args.get(key), dict)
         args[key] = {**args[key], **value} if merge else value
     app["args"] = args
-    if args.get("topology") == "fused":  # these deployments only exist in the chained topology
-        app["deployments"] = [
-            d
-            for d in app.get("deployments", [])
-            if d.get("name") not in ("Preprocess", "Postprocess")
-        ]
+    deployments = app.get("deployments", [])
+    if args.get("topology") in ("fused", "direct"):  # these exist only in topology chained
+        deployments = [d for d in deployments if d.get("name") not in ("Preprocess", "Postprocess")]
+    if args.get("topology") == "direct":
+        # The ingress replicas host the model: they take Inference's batching and GPUs.
+        inference = next((d for d in deployments if d.get("name") == "Inference"), {})
+        deployments = [d for d in deployments if d.get("name") != "Inference"]
+        for d in deployments:
+            if d.get("name") == "Ingress":
+                if "user_config" in inference:
+                    d.setdefault("user_config", inference["user_config"])
+                gpus = inference.get("ray_actor_options", {}).get("num_gpus")
+                if gpus:
+                    d.setdefault("ray_actor_options", {}).setdefault("num_gpus", gpus)
+    app["deployments"] = deployments
     try:
         validated = AppConfig.model_validate(app["args"])
     except ValueError as exc:

@@ -17,6 +17,8 @@ def build_app(args: dict[str, Any]) -> Application:
     config = AppConfig.model_validate(args)
     resolve(config.model_repository, config.model, config.model_version)
     shared = config.model_dump(mode="json")
+    if config.topology == "direct":
+        return Ingress.bind(shared)
     if config.topology == "fused":
         return Ingress.bind(shared, Inference.bind(shared))
     return Ingress.bind(

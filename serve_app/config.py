@@ -65,8 +65,9 @@ class AppConfig(_Strict):
     security: SecurityConfig = SecurityConfig()
     preprocess_threads: int = Field(2, ge=1, le=64)  # PIL releases the GIL while decoding
     # chained: Ingress -> Preprocess -> Inference -> Postprocess deployments (3 Ray calls per
-    # request); fused: decode in the ingress, postprocess in Inference (1 call). pipeline.py.
-    topology: Literal["chained", "fused"] = "chained"
+    # request); fused: decode in the ingress, postprocess in Inference (1 call); direct: all
+    # of it in the ingress replica (no call). pipeline.py.
+    topology: Literal["chained", "fused", "direct"] = "chained"
     # cpu: PIL decodes every image. gpu: JPEGs are decoded by nvJPEG in the inference replica
     # (needs torchvision and a GPU there); the CPU stage only checks headers.
     decode: Literal["cpu", "gpu"] = "cpu"

@@ -8,6 +8,10 @@ fused    decode in the ingress replica's thread pool, postprocess in the Inferen
          at most 1 Ray call per request, and under load one call carries many requests
          (micro-batching). Fewer hops, lower latency and CPU cost on one host; decode scales
          with ingress threads rather than replicas.
+direct   the whole pipeline in the ingress replica (decode, batching, engine, postprocess):
+         no Ray call per request. Replicas share the port (SO_REUSEPORT) and each batches
+         only the connections the kernel gave it; scale by adding replicas (one process
+         each, fractions of a GPU).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.batching import DynamicBatcher
 from serve_app.config import AppConfig
 from serve_app.messages import Classified, Preprocessed
-from serve_app.stages import Preprocessor
+from serve_app.stages import Inference, Preprocessor
 
 
 class Pipeline(Protocol):
@@ -87,3 +91,21 @@ class FusedPipeline:
         if isinstance(result, Exception):
             raise result
         return result
+
+
+class LocalPipeline:
+    """topology direct: decode in this process' thread pool, then this process' Inference
+    code (its dynamic batcher batches across every stream this replica serves)."""
+
+    def __init__(self, config: AppConfig, inference: Inference) -> None:
+        self._preprocessor = Preprocessor(config)
+        self._inference = inference
+
+    async def classify(
+        self, images: list[bytes], top_k: int, deadline: float | None = None
+    ) -> Classified:
+        preprocessed = await self._preprocessor.run(images, deadline)
+        return await self.classify_preprocessed(preprocessed, top_k)
+
+    async def classify_preprocessed(self, pre: Preprocessed, top_k: int) -> Classified:
+        return await self._inference(pre, top_k)

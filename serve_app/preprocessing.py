@@ -122,7 +122,8 @@ def crop_to_input(image: Image.Image, spec: PreprocessSpec) -> np.ndarray:
     it; `reducing_gap` first shrinks large images by whole factors, as DCT scaling does for
     JPEG. Both are PIL's own fast paths; results stay within a grey level or two.
     """
-    image = image.convert("RGB")
+    if image.mode != "RGB":
+        image = image.convert("RGB")  # (convert copies even an RGB image)
     width, height = image.size
     scale = spec.resize_size / min(width, height)
     new_w = max(spec.input_size, round(width * scale))

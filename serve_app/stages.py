@@ -242,6 +242,15 @@ class Inference:
             batcher.set_concurrency(self._default_concurrency)
         logger.info("engine ready: %s", self._engine.info)
 
+    @classmethod
+    async def in_process(cls, config: dict) -> Inference:
+        """This replica's code without a replica of its own (topology direct: the ingress
+        hosts it), with the default batching until `reconfigure()`."""
+        inference = cls.__new__(cls)
+        await inference.__init__(config)
+        inference.reconfigure(BatchingConfig().model_dump())
+        return inference
+
     def reconfigure(self, user_config: dict) -> None:
         batching = BatchingConfig.model_validate(user_config)
         if batching.max_batch_size > self._engine.info.max_batch_size:

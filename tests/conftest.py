@@ -95,7 +95,7 @@ def start_app(name: str, model_repository: Path, **args: object):
     return handle.port.remote().result(), handle
 
 
-@pytest.fixture(scope="session", params=["chained", "fused"])
+@pytest.fixture(scope="session", params=["chained", "fused", "direct"])
 def server(request, ray_cluster, model_repository: Path) -> str:
     """The whole application under real Ray Serve, gRPC on a free loopback port, in each
     topology (serve_app/pipeline.py)."""

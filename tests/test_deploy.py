@@ -31,10 +31,21 @@ def test_serve_configs_are_valid(path: Path) -> None:
     app = config["applications"][0]
     AppConfig.model_validate(app["args"])
     names = {d["name"] for d in app.get("deployments", [])}
-    expected = {"Ingress", "Inference"}
-    if app["args"].get("topology", "chained") == "chained":
+    topology = app["args"].get("topology", "chained")
+    expected = {"Ingress"} if topology == "direct" else {"Ingress", "Inference"}
+    if topology == "chained":
         expected |= {"Preprocess", "Postprocess"}
     assert names <= expected, f"{path.name} configures deployments its topology lacks"
+
+
+def test_serve_direct_gives_the_ingress_inferences_settings() -> None:
+    from clients.serve_command import _serve_config
+
+    config, app = _serve_config(ROOT / "deploy" / "serve_config.gpu.yaml", {"topology": "direct"})
+    [ingress] = config["applications"][0]["deployments"]  # Inference is hosted by Ingress
+    assert app.topology == "direct" and ingress["name"] == "Ingress"
+    assert ingress["user_config"]["max_batch_size"] == 256
+    assert ingress["ray_actor_options"]["num_gpus"] == 0.5
 
 
 def test_config_errors_name_the_field() -> None:

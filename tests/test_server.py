@@ -318,3 +318,32 @@ async def test_failed_requests_are_logged_as_json_with_request_and_stream_ids(se
     record = json.loads(lines[-1][lines[-1].index("{") :])
     assert record["event"] == "raystream.request" and record["failed_images"] == 1
     assert record["stream"] != "unary" and record["images"] == 2 and record["code"] == "OK"
+
+
+async def test_direct_topology_takes_the_batching_user_config(
+    ray_cluster, model_repository, photos
+) -> None:
+    """topology direct: the ingress replica hosts the model, and its user_config is the
+    batching config the Inference deployment takes in the other topologies."""
+    from ray import serve
+
+    from serve_app.config import AppConfig
+    from serve_app.ingress import Ingress
+
+    config = AppConfig(
+        model_repository=model_repository, port=0, topology="direct", engine={"kind": "onnxruntime"}
+    )
+    serve.start(proxy_location="Disabled")
+    ingress = Ingress.options(user_config={"max_batch_size": 4})
+    handle = serve.run(
+        ingress.bind(config.model_dump(mode="json")), name="direct-batching", route_prefix=None
+    )
+    try:
+        assert (await handle.batching.remote())["max_batch_size"] == 4
+        server = f"127.0.0.1:{await handle.port.remote()}"
+        request = pb.ClassifyRequest(request_id="six", images=[photos["chelsea"]] * 6)
+        [response] = await _stream(server, [request])
+        assert [r.labels[0].class_id in CATS for r in response.results] == [True] * 6
+        assert response.timing.batch_size == 4  # 6 images ran in engine batches of <= 4
+    finally:
+        serve.delete("direct-batching")
