@@ -11,6 +11,7 @@
 #   C4 1 GPU : 4 ingress replicas, 4 inference replicas x 0.25 GPU
 #   D4 2 GPUs: 4 ingress replicas, 4 inference replicas x 0.5 GPU  (C2 on each GPU)
 #   D8 2 GPUs: 8 ingress replicas, 8 inference replicas x 0.25 GPU (C4 on each GPU)
+#   E2 1 GPU : topology direct, 2 ingress replicas x 0.5 GPU, each with its own engine
 # PROFILE="C4" samples one ingress and one inference replica of those variants with py-spy
 # (carry .whl with the py-spy wheel) and LATENCY="C4" adds, for those variants, open-loop
 # Poisson load at half the best saturated request rate and one-image requests one at a time.
@@ -73,7 +74,8 @@ for d in app["deployments"]:
         )
 yaml.safe_dump(config, open(f"/tmp/{name}.yaml", "w"))
 PY
-  CUDA_VISIBLE_DEVICES=$visible raystream serve --config /tmp/$name.yaml > "$LOGS/$name.serve.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=$visible raystream serve --config /tmp/$name.yaml ${SERVE_ARGS:-} \
+    > "$LOGS/$name.serve.log" 2>&1 &
   local pid=$! started=$SECONDS
   for i in $(seq 240); do
     grep -q "raystream ready" "$LOGS/$name.serve.log" && break
@@ -115,6 +117,7 @@ for v in "$@"; do
     C4) variant C4 0 4 4 0.25 ;;
     D4) variant D4 0,1 4 4 0.5 ;;
     D8) variant D8 0,1 8 8 0.25 ;;
+    E2) SERVE_ARGS="--topology direct" variant E2 0 2 2 0.5 ;;  # C2's GPUs, no Ray hop
     S) variant S "" 2 1 0 ;;  # smoke run on a CPU box
     *) echo "unknown variant $v" ;;
   esac
