@@ -417,6 +417,8 @@ class Ingress:
 
     def batching(self) -> dict:
         """topology direct: the batching settings in force (Inference.batching otherwise)."""
+        if self._local is None:
+            raise ValueError("batching lives on the Inference deployment outside topology direct")
         return self._local.batching()
 
     def port(self) -> int:
