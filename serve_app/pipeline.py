@@ -16,6 +16,7 @@ direct   the whole pipeline in the ingress replica (decode, batching, engine, po
 
 from __future__ import annotations
 
+import abc
 from typing import Protocol
 
 from ray.serve.handle import DeploymentHandle
@@ -60,7 +61,22 @@ class ChainedPipeline:
         return await self._postprocess.remote(self._inference.remote(pre), top_k)
 
 
-class FusedPipeline:
+class _DecodesHere(abc.ABC):
+    """Pipelines that decode in this replica's thread pool, then pass the crops on."""
+
+    _preprocessor: Preprocessor
+
+    async def classify(
+        self, images: list[bytes], top_k: int, deadline: float | None = None
+    ) -> Classified:
+        preprocessed = await self._preprocessor.run(images, deadline)
+        return await self.classify_preprocessed(preprocessed, top_k)
+
+    @abc.abstractmethod
+    async def classify_preprocessed(self, pre: Preprocessed, top_k: int) -> Classified: ...
+
+
+class FusedPipeline(_DecodesHere):
     """Decode here; send requests to Inference in micro-batches: while `max_calls` Ray calls
     are in flight, new requests queue, and the next call carries all of them (up to
     `requests_per_call`). A Ray call costs milliseconds of CPU whatever it carries, so under
@@ -80,12 +96,6 @@ class FusedPipeline:
     async def _call(self, items: list[tuple[Preprocessed, int]]) -> list[Classified | Exception]:
         return await self._inference.classify_many.remote(items)
 
-    async def classify(
-        self, images: list[bytes], top_k: int, deadline: float | None = None
-    ) -> Classified:
-        preprocessed = await self._preprocessor.run(images, deadline)
-        return await self.classify_preprocessed(preprocessed, top_k)
-
     async def classify_preprocessed(self, pre: Preprocessed, top_k: int) -> Classified:
         result, _ = await self._calls.submit((pre, top_k), pre.deadline)
         if isinstance(result, Exception):
@@ -93,19 +103,13 @@ class FusedPipeline:
         return result
 
 
-class LocalPipeline:
+class LocalPipeline(_DecodesHere):
     """topology direct: decode in this process' thread pool, then this process' Inference
     code (its dynamic batcher batches across every stream this replica serves)."""
 
     def __init__(self, config: AppConfig, inference: Inference) -> None:
         self._preprocessor = Preprocessor(config)
         self._inference = inference
-
-    async def classify(
-        self, images: list[bytes], top_k: int, deadline: float | None = None
-    ) -> Classified:
-        preprocessed = await self._preprocessor.run(images, deadline)
-        return await self.classify_preprocessed(preprocessed, top_k)
 
     async def classify_preprocessed(self, pre: Preprocessed, top_k: int) -> Classified:
         return await self._inference(pre, top_k)
