@@ -264,14 +264,14 @@ class Inference:
             batcher.max_delay_s = batching.batch_wait_timeout_s
             batcher.max_queued = batching.max_queued_images
             batcher.set_concurrency(batching.max_concurrent_batches or self._default_concurrency)
-        if self._gpu_decoder is not None:
-            self._decode_batcher.max_queued = batching.max_queued_images
             batcher.adaptive = None
             if batching.target_p99_ms > 0:
                 batcher.max_delay_s = 0.0  # AdaptiveWait raises it while latency allows
                 batcher.adaptive = AdaptiveWait(
                     batching.target_p99_ms, batching.batch_wait_timeout_s
                 )
+        if self._gpu_decoder is not None:
+            self._decode_batcher.max_queued = batching.max_queued_images
         self._serve_batch.set_max_batch_size(batching.max_batch_size)
         self._serve_batch.set_batch_wait_timeout_s(batching.batch_wait_timeout_s)
         logger.info("batching: %s", batching)

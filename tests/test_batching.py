@@ -166,3 +166,26 @@ async def test_concurrent_batches_change_at_run_time() -> None:
     with pytest.raises(ValueError, match=r"1\.\.2"):
         batcher.set_concurrency(3)
     await batcher.close()
+
+
+async def test_replica_user_config_sets_every_batcher(model_repository) -> None:
+    """Inference.reconfigure reaches both batchers (crops and client tensors): adaptive wait,
+    concurrency, limits; and turning the adaptive mode off restores the fixed wait."""
+    import numpy as np
+
+    from serve_app.config import AppConfig
+    from serve_app.stages import Inference
+
+    config = AppConfig(model_repository=model_repository, engine={"kind": "onnxruntime"})
+    replica = await Inference.func_or_class.in_process(config.model_dump())
+    replica.reconfigure(
+        {"target_p99_ms": 50, "batch_wait_timeout_s": 0.02, "max_queued_images": 99}
+    )
+    for dtype in (np.uint8, np.float32):
+        batcher = replica._batchers[dtype]
+        assert batcher.adaptive is not None and batcher.adaptive.max_wait_s == 0.02
+        assert batcher.max_delay_s == 0.0 and batcher.max_queued == 99
+    replica.reconfigure({"batch_wait_timeout_s": 0.01, "max_concurrent_batches": 2})
+    for batcher in replica._batchers.values():
+        assert batcher.adaptive is None and batcher.max_delay_s == 0.01
+        assert batcher.concurrency == 2
