@@ -199,32 +199,28 @@ async def run_load(
         return _report(recorder, elapsed, workload)
     if workload.streams < processes:
         raise ValueError(f"--processes {processes} needs at least as many streams")
+    streams = [len(range(i, workload.streams, processes)) for i in range(processes)]
     shares = [
         replace(
             workload,
-            streams=len(range(i, workload.streams, processes)),
-            rate=workload.rate * len(range(i, workload.streams, processes)) / workload.streams
-            if workload.rate
-            else None,
+            streams=n,
+            rate=workload.rate * n / workload.streams if workload.rate else None,
             connections=max(1, len(range(i, workload.connections, processes))),
         )
-        for i in range(processes)
+        for i, n in enumerate(streams)
     ]
+    # Global stream numbers: distinct request ids and arrival seeds per process.
+    first_streams = itertools.accumulate(streams, initial=0)
     start_at = time.time() + 5.0 + 0.5 * processes  # after every process has connected
     loop = asyncio.get_running_loop()
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(processes, mp_context=context) as pool:
         results = await asyncio.gather(
             *(
-                # Global stream numbers: distinct request ids and arrival seeds per process.
                 loop.run_in_executor(
                     pool, _load_process, address, share, start_at, first, client_options
                 )
-                for share, first in zip(
-                    shares,
-                    itertools.accumulate((s.streams for s in shares), initial=0),
-                    strict=False,
-                )
+                for share, first in zip(shares, first_streams, strict=False)
             )
         )
     merged = _Recorder()

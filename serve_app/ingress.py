@@ -354,12 +354,12 @@ class Ingress:
             self._local = await Inference.func_or_class.in_process(config)
             model = self._local.info()
             pipeline: Pipeline = LocalPipeline(self._config, self._local)
-        elif preprocess is not None and postprocess is not None:
-            model = await inference.info.remote()
-            pipeline = ChainedPipeline(preprocess, inference, postprocess)
         else:
             model = await inference.info.remote()
-            pipeline = FusedPipeline(self._config, inference)
+            if preprocess is not None and postprocess is not None:
+                pipeline = ChainedPipeline(preprocess, inference, postprocess)
+            else:
+                pipeline = FusedPipeline(self._config, inference)
         limits = self._config.limits
         security = self._config.security
         interceptors = []
