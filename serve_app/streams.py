@@ -13,6 +13,11 @@ Answer = TypeVar("Answer")
 _END = object()
 
 
+class _Failed:
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
 class StreamRunner:
     def __init__(self, max_in_flight_per_stream: int) -> None:
         self._max_in_flight = max_in_flight_per_stream
@@ -39,16 +44,21 @@ class StreamRunner:
         slots = asyncio.Semaphore(self._max_in_flight)
         in_flight: set[str] = set()
         tasks: set[asyncio.Task] = set()
+        unanswered = 0  # read and not yet yielded: counted here, not by task done-callbacks,
+        # which run a loop step after the answer is queued and would leave this loop waiting
 
         async def run_one(request: Request, request_key: str) -> None:
             try:
                 result = await answer(request)
+            except Exception as exc:  # a bug in `answer`: the stream ends with it
+                result = _Failed(exc)
             finally:
                 slots.release()
                 in_flight.discard(request_key)
-            await answers.put(result)
+            answers.put_nowait(result)
 
         async def read() -> None:
+            nonlocal unanswered
             iterator = aiter(requests)
             try:
                 while True:
@@ -59,10 +69,11 @@ class StreamRunner:
                         request = await anext(iterator)
                     except StopAsyncIteration:
                         break
+                    unanswered += 1
                     request_key = key(request) if key is not None else ""
                     if request_key and request_key in in_flight and duplicate is not None:
                         slots.release()
-                        await answers.put(duplicate(request))
+                        answers.put_nowait(duplicate(request))
                         continue
                     if request_key:
                         in_flight.add(request_key)
@@ -79,11 +90,14 @@ class StreamRunner:
         self._readers.add(reader)
         try:
             reading = True
-            while reading or tasks or not answers.empty():
+            while reading or unanswered:
                 item = await answers.get()
                 if item is _END:
                     reading = False
                     continue
+                unanswered -= 1
+                if isinstance(item, _Failed):
+                    raise item.error
                 yield item
             reader.result()  # re-raise a transport failure while reading
         finally:

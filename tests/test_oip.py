@@ -82,12 +82,10 @@ async def test_errors_follow_the_protocol(server, photos) -> None:
                 )
             )
         ]
-        by_id = {r.infer_response.id: r for r in replies}  # completion order
+        by_id = {r.infer_response.id: r for r in replies}  # completion order: see test_streams
         assert len(replies) == 3 and sorted(by_id) == ["a", "b", "c"]
         assert [bool(by_id[i].error_message) for i in "abc"] == [False, True, False]
         assert by_id["b"].error_message.startswith("INVALID_ARGUMENT")
-        # Requests run concurrently: the junk one fails at decoding while "a" still runs.
-        assert replies[0].infer_response.id == "b"
 
 
 async def test_preprocessed_fp32_input_gives_the_same_scores(server, photos, model) -> None:

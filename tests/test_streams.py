@@ -1,0 +1,80 @@
+"""The stream runner shared by both protocols (serve_app/streams.py), without gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serve_app.streams import StreamRunner
+
+
+async def _requests(*items):
+    for item in items:
+        yield item
+
+
+async def _collect(runner: StreamRunner, requests, answer, **kwargs) -> list:
+    return [a async for a in runner.run(requests, answer, **kwargs)]
+
+
+async def test_answers_run_concurrently_and_come_in_completion_order() -> None:
+    """Request a can only finish after b is answered, so a runner that answered one request
+    at a time would never end."""
+    b_answered = asyncio.Event()
+
+    async def answer(request: str) -> str:
+        if request == "a":
+            await b_answered.wait()
+        if request == "b":
+            b_answered.set()
+        return request.upper()
+
+    runner = StreamRunner(max_in_flight_per_stream=4)
+    answers = await asyncio.wait_for(_collect(runner, _requests("a", "b", "c"), answer), 5)
+    assert answers.index("B") < answers.index("A") and sorted(answers) == ["A", "B", "C"]
+
+
+async def test_in_flight_limit_holds_back_reading() -> None:
+    running, peak = 0, 0
+
+    async def answer(request: int) -> int:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.01)
+        running -= 1
+        return request
+
+    runner = StreamRunner(max_in_flight_per_stream=2)
+    answers = await _collect(runner, _requests(*range(8)), answer)
+    assert sorted(answers) == list(range(8)) and peak == 2
+
+
+async def test_a_key_already_in_flight_gets_the_duplicate_answer() -> None:
+    release = asyncio.Event()
+
+    async def answer(request: str) -> str:
+        await release.wait()
+        return f"done {request}"
+
+    def duplicate(request: str) -> str:
+        release.set()
+        return f"duplicate {request}"
+
+    runner = StreamRunner(max_in_flight_per_stream=4)
+    answers = await asyncio.wait_for(
+        _collect(runner, _requests("x", "x"), answer, key=str, duplicate=duplicate), 5
+    )
+    assert answers == ["duplicate x", "done x"]
+
+
+async def test_a_failing_answer_ends_the_stream_with_its_error() -> None:
+    async def answer(request: str) -> str:
+        if request == "bug":
+            raise RuntimeError("answer has a bug")
+        return request
+
+    runner = StreamRunner(max_in_flight_per_stream=1)
+    with pytest.raises(RuntimeError, match="answer has a bug"):
+        await asyncio.wait_for(_collect(runner, _requests("ok", "bug", "never"), answer), 5)
