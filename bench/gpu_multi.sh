@@ -3,14 +3,17 @@
 #   bash bench/gpu_multi.sh C2 C4 D4 D8
 # Each variant starts raystream from deploy/serve_config.gpu.yaml (fused, nvJPEG decode in the
 # inference replicas, torch-CUDA FP16) with its own replica layout and GPU visibility, runs the
-# same saturating load from $PROCS load-generator processes, stops, and appends one row to
-# $LOGS/table.txt:
+# same saturating load from $PROCS load-generator processes, with one connection to each
+# ingress replica in turn (the load generator looks for them: `ingress` in the table says how
+# many it reached), stops, and appends one row to $LOGS/table.txt:
 #   A  1 GPU : 1 ingress, 1 inference replica x 1 GPU
 #   B  2 GPUs: 1 ingress, 2 inference replicas x 1 GPU (one per GPU)
 #   C2 1 GPU : 2 ingress replicas (one port, SO_REUSEPORT), 2 inference replicas x 0.5 GPU
 #   C4 1 GPU : 4 ingress replicas, 4 inference replicas x 0.25 GPU
 #   D4 2 GPUs: 4 ingress replicas, 4 inference replicas x 0.5 GPU  (C2 on each GPU)
 #   D8 2 GPUs: 8 ingress replicas, 8 inference replicas x 0.25 GPU (C4 on each GPU)
+#   C4i 1 GPU : 4 ingress replicas, 2 inference replicas x 0.5 GPU (C2 with twice the front)
+#   D8i 2 GPUs: 8 ingress replicas, 4 inference replicas x 0.5 GPU (C4i on each GPU)
 #   E2 1 GPU : topology direct, 2 ingress replicas x 0.5 GPU, each with its own engine
 # PROFILE="C4" samples one ingress and one inference replica of those variants with py-spy
 # (carry .whl with the py-spy wheel) and LATENCY="C4" adds, for those variants, open-loop
@@ -37,7 +40,8 @@ name, args = sys.argv[1:]
 r = json.load(open(f"{os.environ['LOGS']}/{name}/bench.json"))["reports"][0]
 lat = r["latency_ms"]
 print(f"{name:<10} {r['images_per_s']:8.1f} img/s p50 {lat['p50']:7.1f} p99 {lat['p99']:7.1f} "
-      f"ms batch {r['mean_batch_size']:5.1f} errors {r['errors'] or 0}  [{args}]")
+      f"ms batch {r['mean_batch_size']:5.1f} errors {r['errors'] or 0} "
+      f"ingress {r['offered'].get('ingress_replicas')}  [{args}]")
 PY
 }
 
@@ -117,6 +121,8 @@ for v in "$@"; do
     C4) variant C4 0 4 4 0.25 ;;
     D4) variant D4 0,1 4 4 0.5 ;;
     D8) variant D8 0,1 8 8 0.25 ;;
+    C4i) variant C4i 0 4 2 0.5 ;;
+    D8i) variant D8i 0,1 8 4 0.5 ;;
     E2) SERVE_ARGS="--topology direct" variant E2 0 2 2 0.5 ;;  # C2's GPUs, no Ray hop
     S) variant S "" 2 1 0 ;;  # smoke run on a CPU box
     *) echo "unknown variant $v" ;;

@@ -23,6 +23,8 @@ import grpc
 from raystream.v1 import classifier_pb2 as pb
 from raystream.v1 import classifier_pb2_grpc as pb_grpc
 
+REPLICA_METADATA = "raystream-replica"  # serve_app/ingress.py sets it on GetModelInfo
+
 __all__ = ["Client", "ImageResult", "Label", "status_name"]
 
 
@@ -136,6 +138,16 @@ class Client:
             timeout=timeout or self._timeout,
             metadata=self._metadata,
         )
+
+    async def replica(self) -> str:
+        """The ingress replica this connection landed on ("" from a server that does not say).
+        Replicas share one port and the kernel hashes each connection to one of them."""
+        call = self.stub.GetModelInfo(
+            pb.ModelInfoRequest(), timeout=self._timeout, metadata=self._metadata
+        )
+        await call
+        trailing = await call.trailing_metadata()
+        return next((value for key, value in trailing or () if key == REPLICA_METADATA), "")
 
     async def classify_once(
         self, images: list[bytes] | pb.ClassifyRequest, *, top_k: int = 5, model: str = ""

@@ -28,6 +28,7 @@ from clients.client import Client, status_name
 from raystream.v1 import classifier_pb2 as pb
 
 PERCENTILES = (50, 90, 95, 99)
+DIALS_PER_REPLICA = 8  # new connections tried per ingress replica sought (1 in R lands on it)
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,9 @@ class Workload:
     max_requests: int | None = None  # per stream
     unary: bool = False
     top_k: int = 5
-    connections: int = 1  # TCP connections the streams are spread over (several ingress replicas)
+    # TCP connections the streams are spread over; above 1, each goes to another ingress
+    # replica in turn (see find_replicas), as many as there are up to this number.
+    connections: int = 1
 
 
 @dataclass
@@ -194,9 +197,12 @@ async def run_load(
     With `processes` > 1 the streams (and the rate) are split over that many load-generator
     processes that start sending at the same moment: one Python process tops out at a few
     thousand images/s, below what a GPU server takes."""
+    replicas = await find_replicas(address, workload.connections, client_options)
     if processes <= 1:
-        recorder, elapsed = await _record_load(address, workload, None, 0, client_options)
-        return _report(recorder, elapsed, workload)
+        recorder, elapsed = await _record_load(
+            address, workload, None, (0, 0), replicas, client_options
+        )
+        return _report(recorder, elapsed, workload, replicas)
     if workload.streams < processes:
         raise ValueError(f"--processes {processes} needs at least as many streams")
     streams = [len(range(i, workload.streams, processes)) for i in range(processes)]
@@ -209,8 +215,13 @@ async def run_load(
         )
         for i, n in enumerate(streams)
     ]
-    # Global stream numbers: distinct request ids and arrival seeds per process.
-    first_streams = itertools.accumulate(streams, initial=0)
+    # Global stream numbers (distinct request ids and arrival seeds per process) and
+    # connection numbers (which replica each connection goes to).
+    firsts = zip(
+        itertools.accumulate(streams, initial=0),
+        itertools.accumulate((share.connections for share in shares), initial=0),
+        strict=False,
+    )
     start_at = time.time() + 5.0 + 0.5 * processes  # after every process has connected
     loop = asyncio.get_running_loop()
     context = multiprocessing.get_context("spawn")
@@ -218,38 +229,84 @@ async def run_load(
         results = await asyncio.gather(
             *(
                 loop.run_in_executor(
-                    pool, _load_process, address, share, start_at, first, client_options
+                    pool, _load_process, address, share, start_at, first, replicas, client_options
                 )
-                for share, first in zip(shares, first_streams, strict=False)
+                for share, first in zip(shares, firsts, strict=False)
             )
         )
     merged = _Recorder()
     for recorder, _ in results:
         merged.merge(recorder)
-    report = _report(merged, max(elapsed for _, elapsed in results), workload)
+    report = _report(merged, max(elapsed for _, elapsed in results), workload, replicas)
     report.offered["processes"] = processes
     return report
 
 
 def _load_process(
-    address: str, workload: Workload, start_at: float, first_stream: int, client_options: dict
+    address: str,
+    workload: Workload,
+    start_at: float,
+    firsts: tuple[int, int],
+    replicas: list[str],
+    client_options: dict,
 ) -> tuple[_Recorder, float]:
-    return asyncio.run(_record_load(address, workload, start_at, first_stream, client_options))
+    return asyncio.run(_record_load(address, workload, start_at, firsts, replicas, client_options))
+
+
+async def find_replicas(address: str, count: int, client_options: dict) -> list[str]:
+    """Up to `count` of the ingress replicas behind `address` (none when `count` is 1).
+
+    Replicas share the port (SO_REUSEPORT) and the kernel hashes each connection to one of
+    them, so a few connections often miss some: 4 connections reached 2 or 3 of 4 replicas
+    on the H200 (docs/benchmarks.md 2c). Each new connection asks where it landed."""
+    found: set[str] = set()
+    for _ in range(DIALS_PER_REPLICA * count if count > 1 else 0):
+        async with Client(address, **client_options) as client:
+            await client.wait_ready(timeout=30)
+            found.add(await client.replica())
+        if len(found - {""}) >= count:
+            break
+    return sorted(found - {""})
+
+
+async def _connect(address: str, replica: str | None, dials: int, options: dict) -> Client:
+    """A ready client on `replica` (None: wherever the kernel puts it), dialing up to `dials`
+    times; the last dial is kept wherever it landed."""
+    for dial in range(1, dials + 1):
+        client = Client(address, **options)
+        await client.__aenter__()
+        try:
+            await client.wait_ready(timeout=30)
+            if replica is None or dial == dials or await client.replica() == replica:
+                return client
+        except BaseException:
+            await client.close()
+            raise
+        await client.close()
+    raise ValueError("dials must be at least 1")
 
 
 async def _record_load(
     address: str,
     workload: Workload,
     start_at: float | None,
-    first_stream: int,
+    firsts: tuple[int, int],
+    replicas: list[str],
     client_options: dict,
 ) -> tuple[_Recorder, float]:
+    """`firsts`: the global numbers of this process' first stream and first connection;
+    connection n goes to replicas[n % len(replicas)] (anywhere if `replicas` is empty)."""
+    first_stream, first_connection = firsts
     recorder = _Recorder()
-    clients = [Client(address, **client_options) for _ in range(workload.connections)]
+    # 1 in R dials lands on a given one of R replicas: all 8R dials miss it with a chance
+    # of (1 - 1/R)^(8R) < 0.04%.
+    dials = DIALS_PER_REPLICA * max(1, len(replicas))
     async with contextlib.AsyncExitStack() as stack:
-        for client in clients:
-            await stack.enter_async_context(client)
-            await client.wait_ready(timeout=30)
+        clients = []
+        for n in range(first_connection, first_connection + workload.connections):
+            replica = replicas[n % len(replicas)] if replicas else None
+            clients.append(await _connect(address, replica, dials, client_options))
+            stack.push_async_callback(clients[-1].close)
         if start_at is not None:
             await asyncio.sleep(max(0.0, start_at - time.time()))
         start = time.perf_counter()
@@ -266,10 +323,11 @@ async def _record_load(
     return recorder, elapsed
 
 
-def _report(recorder: _Recorder, elapsed: float, workload: Workload) -> Report:
+def _report(recorder: _Recorder, elapsed: float, workload: Workload, replicas: list[str]) -> Report:
     lat = np.asarray(recorder.latencies or [0.0])
     count = max(1, len(recorder.batch_sizes))
     offered = {k: v for k, v in asdict(workload).items() if k != "images"}
+    offered["ingress_replicas"] = len(replicas) or None  # None: not looked for (1 connection)
     return Report(
         images_per_s=recorder.images / elapsed,
         requests_per_s=len(recorder.latencies) / elapsed,

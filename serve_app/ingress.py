@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -62,6 +64,9 @@ SERVICE_NAMES = (
 )
 
 
+REPLICA_METADATA = "raystream-replica"
+
+
 class ClassifierService(pb_grpc.ImageClassifierServicer):
     """raystream.v1.ImageClassifier over a Pipeline (serve_app/pipeline.py)."""
 
@@ -78,6 +83,10 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         self._metrics = IngressMetrics()
         self._in_flight_export: asyncio.Task | None = None
         self._log_sample_rate = config.log_sample_rate
+        # Which ingress replica answered: several share one port (SO_REUSEPORT) and the
+        # kernel hashes each connection to one of them, so a client with few connections
+        # can miss replicas; GetModelInfo's trailing metadata lets it see where it landed.
+        self.replica = f"{socket.gethostname()}:{os.getpid()}"
 
     async def _export_in_flight(self) -> None:
         """The in-flight gauge, sampled each second: setting it twice per request was 3% of
@@ -285,6 +294,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
             self._check_model(request.model)
         except ModelNotFound as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        context.set_trailing_metadata(((REPLICA_METADATA, self.replica),))
         return pb.ModelInfo(
             name=self._name,
             version=self._version,

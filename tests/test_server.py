@@ -136,6 +136,9 @@ async def test_model_info(server, model) -> None:
         )
         assert list(info.input_shape) == [-1, 3, 224, 224] and info.num_classes == 1000
         assert info.precision == "fp32" and info.max_batch_size >= 1
+        # Which ingress replica answers (the fixture runs one): host:pid, the same each time.
+        replica = await client.replica()
+        assert ":" in replica and await client.replica() == replica
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await client.model_info("other")
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
@@ -202,10 +205,11 @@ async def test_load_generator_reports_what_it_sent(server, photos, tmp_path: Pat
     assert report.images_per_s > 0 and report.mean_batch_size >= 2
     assert report.latency_ms["p50"] <= report.latency_ms["p99"] <= report.latency_ms["max"]
     plot_sweep([report, report], tmp_path / "sweep.png", "test")
-    # Split over two processes: the same requests, counted once each.
-    report = await run_load(server, workload, processes=2)
+    # Split over two processes and two connections, which look for two ingress replicas
+    # (there is one): the same requests, counted once each.
+    report = await run_load(server, replace(workload, connections=2), processes=2)
     assert report.requests == 10 and not report.errors and report.images_per_s > 0
-    assert report.offered["processes"] == 2
+    assert report.offered["processes"] == 2 and report.offered["ingress_replicas"] == 1
     # Open loop at a low rate: arrivals due after the end are not waited for.
     report = await run_load(
         server, replace(workload, rate=1.0, streams=4, duration_s=3, max_requests=None)
