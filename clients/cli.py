@@ -149,6 +149,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         unary=args.unary,
         top_k=args.top_k,
         connections=args.connections,
+        pixels=loadgen.client_pixels(args.repository, args.model, images) if args.pixels else None,
     )
     if args.sweep:
         values = [float(v) for v in args.sweep.split(",")]
@@ -317,6 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=10.0, help="seconds per load")
     p.add_argument("--requests", type=int, help="stop each stream after this many requests")
     p.add_argument("--unary", action="store_true", help="ClassifyOnce calls instead of streams")
+    p.add_argument(
+        "--pixels",
+        action="store_true",
+        help="send the model input (preprocessed here with --model's spec in --repository) "
+        "instead of the encoded images: the server then runs no decode",
+    )
     p.add_argument(
         "--connections",
         type=int,

@@ -45,6 +45,9 @@ class Workload:
     # TCP connections the streams are spread over; above 1, each goes to another ingress
     # replica in turn (see find_replicas), as many as there are up to this number.
     connections: int = 1
+    # Send the model input instead of the images: float32 (N, C, H, W) rows, cycled through
+    # (client_pixels makes them from the images), as a client that preprocesses itself does.
+    pixels: np.ndarray | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -139,6 +142,10 @@ async def _requests(
     rng: random.Random,
 ) -> AsyncIterator[pb.ClassifyRequest]:
     images = itertools.cycle(workload.images)
+    pixels = None
+    if workload.pixels is not None:  # one tensor of batch_size rows, sent by every request
+        rows = np.resize(workload.pixels, (workload.batch_size, *workload.pixels.shape[1:]))
+        pixels = pb.Tensor(shape=rows.shape, data=rows.astype("<f4").tobytes())
     per_stream_rate = workload.rate / workload.streams if workload.rate else None
     next_at = time.perf_counter()
     for i in itertools.count():
@@ -155,11 +162,14 @@ async def _requests(
             return
         request_id = f"{prefix}-{i}"
         sent[request_id] = time.perf_counter()
-        yield pb.ClassifyRequest(
-            request_id=request_id,
-            top_k=workload.top_k,
-            images=list(itertools.islice(images, workload.batch_size)),
-        )
+        if pixels is not None:
+            yield pb.ClassifyRequest(request_id=request_id, top_k=workload.top_k, pixels=pixels)
+        else:
+            yield pb.ClassifyRequest(
+                request_id=request_id,
+                top_k=workload.top_k,
+                images=list(itertools.islice(images, workload.batch_size)),
+            )
 
 
 async def _one_stream(
@@ -326,7 +336,8 @@ async def _record_load(
 def _report(recorder: _Recorder, elapsed: float, workload: Workload, replicas: list[str]) -> Report:
     lat = np.asarray(recorder.latencies or [0.0])
     count = max(1, len(recorder.batch_sizes))
-    offered = {k: v for k, v in asdict(workload).items() if k != "images"}
+    offered = {k: v for k, v in asdict(workload).items() if k not in ("images", "pixels")}
+    offered["input"] = "images" if workload.pixels is None else "pixels"
     offered["ingress_replicas"] = len(replicas) or None  # None: not looked for (1 connection)
     return Report(
         images_per_s=recorder.images / elapsed,
@@ -354,11 +365,13 @@ def in_process_baseline(
     threads: int = 2,
     **engine_options: object,
 ) -> dict[str, float]:
-    """The same work without gRPC or Ray: decode (in `threads` threads) + engine at
-    `batch_size`, and the engine alone on already-decoded crops. Images/s for both."""
+    """The same work without gRPC or Ray, images/s at `batch_size`: decode (in `threads`
+    threads) + engine, the engine alone on decoded uint8 crops, and the engine alone on
+    float32 input (what a `pixels` request runs)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from engines import create_engine
+    from engines.base import normalize
     from engines.repository import resolve
     from serve_app.preprocessing import decode
 
@@ -375,6 +388,8 @@ def in_process_baseline(
         engine.warmup()
         crops = np.stack(list(pool.map(lambda d: decode(d, spec), batch)))
         engine_only = _rate(lambda: engine.infer_uint8(crops, mean, std), batch_size, duration_s)
+        pixels = normalize(crops, mean, std)
+        engine_fp32 = _rate(lambda: engine.infer(pixels), batch_size, duration_s)
         full = _rate(
             lambda: engine.infer_uint8(
                 np.stack(list(pool.map(lambda d: decode(d, spec), batch))), mean, std
@@ -382,7 +397,23 @@ def in_process_baseline(
             batch_size,
             duration_s,
         )
-    return {"decode_and_engine_images_per_s": full, "engine_images_per_s": engine_only}
+    return {
+        "decode_and_engine_images_per_s": full,
+        "engine_images_per_s": engine_only,
+        "engine_fp32_images_per_s": engine_fp32,
+    }
+
+
+def client_pixels(repository: Path, model: str, images: tuple[bytes, ...]) -> np.ndarray:
+    """`images` preprocessed as the server would (the model's spec in `repository`):
+    float32 (N, C, H, W), what a client that preprocesses itself sends as `pixels`."""
+    from engines.base import normalize
+    from engines.repository import resolve
+    from serve_app.preprocessing import decode
+
+    spec = resolve(repository, model).spec.preprocess
+    crops = np.stack([decode(image, spec) for image in images])
+    return normalize(crops, spec.mean_array, spec.std_array)
 
 
 def _rate(fn, batch_size: int, duration_s: float) -> float:

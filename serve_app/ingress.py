@@ -49,6 +49,7 @@ from serve_app.messages import Classified, Preprocessed
 from serve_app.metrics import IngressMetrics, resident_memory_bytes
 from serve_app.oip import OpenInferenceService
 from serve_app.pipeline import ChainedPipeline, FusedPipeline, LocalPipeline, Pipeline
+from serve_app.preprocessing import client_pixels
 from serve_app.security import TokenAuth, server_credentials
 from serve_app.stages import Inference
 from serve_app.streams import Answer, Request, StreamRunner
@@ -176,6 +177,13 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
                     f"is {self._config.limits.max_in_flight_requests}; retry later"
                 )
             self.requests_started += 1
+            if pixels is None and request.HasField("pixels"):
+                if request.images:
+                    raise InvalidArgument("send images or pixels in a request, not both")
+                tensor = request.pixels
+                pixels = client_pixels(
+                    tuple(tensor.shape), tensor.data, self._engine.input_shape, "pixels"
+                )
             if request.images or pixels is not None:
                 budget = _budget_s(request, context)
                 _fill(response, await self._classify(request, budget, pixels))

@@ -26,6 +26,8 @@ import numpy as np
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from raystream.v1 import classifier_pb2 as pb
+from serve_app.errors import InvalidArgument
+from serve_app.preprocessing import client_pixels
 
 INPUT, SCORES, LABELS = "images", "probabilities", "labels"
 PIXELS = "pixels"  # FP32 (N, C, H, W), preprocessed by the client as the model expects
@@ -64,25 +66,14 @@ def _pixels(request: oip.ModelInferRequest, input_shape: tuple[int, ...]) -> np.
             grpc.StatusCode.INVALID_ARGUMENT,
             f"input {PIXELS!r} must be FP32, got {tensor.datatype}",
         )
-    shape = tuple(tensor.shape)
-    if len(shape) != 4 or shape[1:] != tuple(input_shape) or shape[0] < 1:
-        raise _Rejected(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"input {PIXELS!r} must have shape [N, {', '.join(map(str, input_shape))}], "
-            f"got {list(shape)}",
-        )
     if request.raw_input_contents:
-        data = np.frombuffer(request.raw_input_contents[0], dtype="<f4")
+        values = request.raw_input_contents[0]
     else:
-        data = np.asarray(tensor.contents.fp32_contents, dtype=np.float32)
-    if data.size != int(np.prod(shape)):
-        raise _Rejected(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"input shape {list(shape)} holds {int(np.prod(shape))} values, got {data.size}",
-        )
-    if not np.isfinite(data).all():
-        raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"input {PIXELS!r} has NaN or inf")
-    return data.astype(np.float32, copy=False).reshape(shape)
+        values = np.asarray(tensor.contents.fp32_contents, dtype=np.float32)
+    try:
+        return client_pixels(tuple(tensor.shape), values, input_shape, PIXELS)
+    except InvalidArgument as exc:
+        raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
 
 def _images(request: oip.ModelInferRequest) -> list[bytes]:

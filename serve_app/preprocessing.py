@@ -21,9 +21,9 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from engines.base import normalize
 from engines.repository import PreprocessSpec
-from serve_app.errors import InvalidImage
+from serve_app.errors import InvalidArgument, InvalidImage
 
-__all__ = ["DecodeLimits", "crop_to_input", "decode", "normalize"]
+__all__ = ["DecodeLimits", "client_pixels", "crop_to_input", "decode", "normalize"]
 
 ALLOWED_FORMATS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "BMP", "GIF", "TIFF"})
 
@@ -134,3 +134,28 @@ def crop_to_input(image: Image.Image, spec: PreprocessSpec) -> np.ndarray:
     resample = Image.Resampling[spec.interpolation.upper()]
     size = (spec.input_size, spec.input_size)
     return np.asarray(image.resize(size, resample, box=box, reducing_gap=3.0), dtype=np.uint8)
+
+
+def client_pixels(
+    shape: tuple[int, ...], values: np.ndarray | bytes, input_shape: tuple[int, ...], name: str
+) -> np.ndarray:
+    """Input the client preprocessed itself (either protocol's `pixels`): float32 values
+    (or their little-endian bytes) of shape (N, *input_shape), N >= 1, all finite;
+    InvalidArgument names what is wrong."""
+    if isinstance(values, bytes):
+        if len(values) % 4:
+            raise InvalidArgument(f"input {name!r}: {len(values)} bytes are not float32 values")
+        values = np.frombuffer(values, dtype="<f4")
+    shape = tuple(int(d) for d in shape)
+    if len(shape) != 1 + len(input_shape) or shape[1:] != tuple(input_shape) or shape[0] < 1:
+        raise InvalidArgument(
+            f"input {name!r} must have shape [N, {', '.join(map(str, input_shape))}], "
+            f"got {list(shape)}"
+        )
+    if values.size != int(np.prod(shape)):
+        raise InvalidArgument(
+            f"input shape {list(shape)} holds {int(np.prod(shape))} values, got {values.size}"
+        )
+    if not np.isfinite(values).all():
+        raise InvalidArgument(f"input {name!r} has NaN or inf")
+    return values.astype(np.float32, copy=False).reshape(shape)

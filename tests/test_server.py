@@ -114,6 +114,44 @@ async def test_many_requests_on_one_stream_each_answered_once(server, photos) ->
         assert response.timing.total_ms > 0 and response.timing.batch_size >= 1
 
 
+async def test_preprocessed_pixels_give_the_same_labels_as_images(server, photos) -> None:
+    """raystream.v1 `pixels`: the client sends the model input it preprocessed itself; the
+    labels and scores are those of the image path. A wrong tensor fails alone."""
+    from clients.loadgen import client_pixels
+
+    names = ("chelsea", "coffee")
+    pixels = client_pixels(ROOT / "models", "efficientnet-lite0", tuple(photos[n] for n in names))
+    tensor = pb.Tensor(shape=pixels.shape, data=pixels.astype("<f4").tobytes())
+    bad_shape = pb.Tensor(shape=[1, 3, 100, 100], data=bytes(4 * 3 * 100 * 100))
+    nan = pb.Tensor(shape=[1, 3, 224, 224], data=np.full((1, 3, 224, 224), np.nan, "<f4").tobytes())
+    replies = await _stream(
+        server,
+        [
+            pb.ClassifyRequest(request_id="pixels", pixels=tensor),
+            pb.ClassifyRequest(request_id="images", images=[photos[n] for n in names]),
+            pb.ClassifyRequest(request_id="shape", pixels=bad_shape),
+            pb.ClassifyRequest(request_id="nan", pixels=nan),
+            pb.ClassifyRequest(request_id="both", pixels=tensor, images=[photos["chelsea"]]),
+            pb.ClassifyRequest(request_id="bytes", pixels=pb.Tensor(shape=[1], data=b"abc")),
+        ],
+    )
+    by_id = {r.request_id: r for r in replies}
+    assert len(replies) == 6 and len(by_id) == 6
+    ours, theirs = by_id["pixels"].results, by_id["images"].results
+    assert [r.labels[0].class_id for r in ours] == [r.labels[0].class_id for r in theirs]
+    assert ours[0].labels[0].class_id in CATS and ours[1].labels[0].class_id in COFFEE
+    assert abs(ours[1].labels[0].score - theirs[1].labels[0].score) < 1e-4
+    assert by_id["pixels"].timing.batch_size >= 2
+    for bad, says in [
+        ("shape", "[N, 3, 224, 224]"),
+        ("nan", "NaN"),
+        ("both", "not both"),
+        ("bytes", "not float32"),
+    ]:
+        assert by_id[bad].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], bad
+        assert says in by_id[bad].error.message and not by_id[bad].results
+
+
 async def test_unary_and_stream_agree(server, photos) -> None:
     images = [photos["astronaut"], photos["rocket"]]
     async with Client(server) as client:
@@ -205,6 +243,13 @@ async def test_load_generator_reports_what_it_sent(server, photos, tmp_path: Pat
     assert report.images_per_s > 0 and report.mean_batch_size >= 2
     assert report.latency_ms["p50"] <= report.latency_ms["p99"] <= report.latency_ms["max"]
     plot_sweep([report, report], tmp_path / "sweep.png", "test")
+    # The model input instead of the images (the server decodes nothing).
+    from clients.loadgen import client_pixels
+
+    pixels = client_pixels(ROOT / "models", "efficientnet-lite0", workload.images)
+    report = await run_load(server, replace(workload, pixels=pixels, batch_size=3))
+    assert report.requests == 10 and not report.errors and report.offered["input"] == "pixels"
+    assert report.images_per_s > 0 and report.mean_batch_size >= 3
     # Split over two processes and two connections, which look for two ingress replicas
     # (there is one): the same requests, counted once each.
     report = await run_load(server, replace(workload, connections=2), processes=2)

@@ -7,18 +7,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ClassifyRequest(_message.Message):
-    __slots__ = ("request_id", "images", "top_k", "model", "timeout_ms")
+    __slots__ = ("request_id", "images", "top_k", "model", "timeout_ms", "pixels")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    PIXELS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     images: _containers.RepeatedScalarFieldContainer[bytes]
     top_k: int
     model: str
     timeout_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., top_k: _Optional[int] = ..., model: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    pixels: Tensor
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., top_k: _Optional[int] = ..., model: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., pixels: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("shape", "data")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ClassifyResponse(_message.Message):
     __slots__ = ("request_id", "results", "timing", "error")
