@@ -3,8 +3,10 @@ implementing raystream.v1.ImageClassifier with no work at all, (2) the same plai
 decoding and cropping each image as raystream does, and (3) raystream on Ray Serve with the
 `echo` engine (no model) in each topology, on the default model's 224x224 input, and (4)
 raystream fused and direct with the echo engine on an `identity` model whose input is 8x8, so that
-the tiny 8x8 PNGs are decoded but not resized: the pure serving path. Every server answers one
-label per image (top_k 1). Prints images/s and the ratios to (1) and (2).
+the tiny 8x8 PNGs are decoded but not resized, and (5) the plain server and raystream fused
+and direct on that model sent the 8x8 model input itself (`pixels`, no decode anywhere): the
+pure serving path. Every server answers one label per image (top_k 1). Prints images/s and the
+ratios to (1) and (2); the `pixels` rows also against the plain server on pixels.
 
     python bench/serving_overhead.py --streams 4 --in-flight 4 --batch-size 8 --duration 15
 
@@ -30,7 +32,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from clients.loadgen import Workload, run_load
+from clients.loadgen import Workload, client_pixels, run_load
 from engines.repository import PreprocessSpec
 from raystream.v1 import classifier_pb2 as pb
 from raystream.v1 import classifier_pb2_grpc as pb_grpc
@@ -54,7 +56,8 @@ class PlainEcho(pb_grpc.ImageClassifierServicer):
                 *(loop.run_in_executor(self._pool, decode, image, SPEC) for image in request.images)
             )
         response = pb.ClassifyResponse(request_id=request.request_id)
-        for _ in request.images:
+        count = len(request.images) or (request.pixels.shape[0] if request.pixels.shape else 0)
+        for _ in range(count):
             response.results.add().labels.add(class_id=0, name="tench", score=1.0)
         return response
 
@@ -149,6 +152,9 @@ def main() -> None:
         "plain grpc.aio": asyncio.run(plain_server_rate(workload, decode=False)),
         "plain grpc.aio + same decode": asyncio.run(plain_server_rate(workload, decode=True)),
     }
+    identity = identity_repository(args.repository)
+    on_pixels = replace(workload, pixels=client_pixels(identity, "identity", workload.images))
+    results["plain grpc.aio, pixels"] = asyncio.run(plain_server_rate(on_pixels, decode=False))
     env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"} if args.same_thread else {}
     ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     serve.start(proxy_location="Disabled")
@@ -158,12 +164,17 @@ def main() -> None:
         )
     for topology in ("fused", "direct"):
         results[f"raystream {topology}, identity 8x8"] = raystream_rate(
-            workload, topology, identity_repository(args.repository), model="identity"
+            workload, topology, identity, model="identity"
+        )
+    for topology in ("fused", "direct"):
+        results[f"raystream {topology}, identity, pixels"] = raystream_rate(
+            on_pixels, topology, identity, model="identity"
         )
     serve.shutdown()
     ray.shutdown()
     base = results["plain grpc.aio"]["images_per_s"]
     same_work = results["plain grpc.aio + same decode"]["images_per_s"]
+    base_pixels = results["plain grpc.aio, pixels"]["images_per_s"]
     print(
         f"{args.streams} streams x {args.in_flight} in flight, {args.batch_size} images "
         f"(8x8 PNG) per request, {args.duration:.0f} s each"
@@ -173,6 +184,11 @@ def main() -> None:
             f"{name:<34} {r['images_per_s']:9.1f} img/s  {r['requests_per_s']:8.1f} req/s  "
             f"p50 {r['latency_ms']['p50']:7.2f} ms  ratio {r['images_per_s'] / base:5.2f}  "
             f"vs same work {r['images_per_s'] / same_work:5.2f}"
+            + (
+                f"  vs plain on pixels {r['images_per_s'] / base_pixels:5.2f}"
+                if "pixels" in name
+                else ""
+            )
         )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=str))

@@ -27,11 +27,24 @@ def top_k(probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def labels_for(logits: np.ndarray, k: int, names: Sequence[str]) -> list[tuple[Label, ...]]:
-    """Top-k `Label`s for each row of logits."""
-    if len(logits) == 0:
+    """Top-k `Label`s for each row of logits: the softmax of `softmax()` and the order of
+    `top_k()`, computed for the k winners only (this runs once per request: py-spy put the
+    general path at 13% of a direct replica's samples under small requests)."""
+    n = len(logits)
+    if n == 0:
         return []
-    ids, scores = top_k(softmax(logits), k)
+    k = min(k, logits.shape[1])
+    x = logits.astype(np.float32, copy=False)
+    peak = x.max(axis=1, keepdims=True)
+    total = np.exp(x - peak).sum(axis=1, keepdims=True, dtype=np.float64)
+    rows = np.arange(n)[:, None]
+    if k == 1:
+        ids = x.argmax(axis=1)[:, None]
+    else:
+        part = np.argpartition(x, -k, axis=1)[:, -k:]
+        ids = part[rows, np.argsort(-x[rows, part], axis=1, kind="stable")]
+    scores = np.exp(x[rows, ids].astype(np.float64) - peak) / total
     return [
-        tuple(Label(int(c), names[c], float(s)) for c, s in zip(row_ids, row_scores, strict=True))
-        for row_ids, row_scores in zip(ids, scores, strict=True)
+        tuple(Label(c, names[c], s) for c, s in zip(row_ids, row_scores, strict=True))
+        for row_ids, row_scores in zip(ids.tolist(), scores.tolist(), strict=True)
     ]

@@ -33,3 +33,16 @@ def test_labels_carry_names_and_probabilities() -> None:
     assert [(lb.class_id, lb.name) for lb in labels] == [(1, "b"), (2, "c")]
     assert abs(labels[0].score - float(softmax(logits)[0, 1])) < 1e-7
     assert labels_for(np.empty((0, 3), np.float32), 2, ["a", "b", "c"]) == []
+
+
+def test_labels_agree_with_softmax_and_top_k() -> None:
+    """labels_for computes the softmax for the winners only: same ids, same scores."""
+    logits = (np.random.default_rng(2).normal(size=(9, 1000)) * 4).astype(np.float32)
+    names = [str(i) for i in range(1000)]
+    for k in (1, 5, 1000):
+        ids, scores = top_k(softmax(logits), k)
+        labels = labels_for(logits, k, names)
+        np.testing.assert_array_equal([[lb.class_id for lb in row] for row in labels], ids)
+        np.testing.assert_allclose(
+            [[lb.score for lb in row] for row in labels], scores, rtol=1e-5, atol=1e-7
+        )
