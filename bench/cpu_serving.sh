@@ -12,18 +12,16 @@ LOGS=${LOGS:-/tmp/cpu_serving} DURATION=${DURATION:-25} PORT=${PORT:-9100}
 mkdir -p "$LOGS"
 [ -x .venv/bin/raystream ] && export PATH=$PWD/.venv/bin:$PATH
 SAT="--streams 4 --in-flight 2 --batch-size 8 --duration $DURATION --baseline --engine onnxruntime"
-for topology in "${@:-direct fused}"; do
-  for t in $topology; do
-    raystream serve --port "$PORT" --topology "$t" ${SERVE_ARGS:-} > "$LOGS/$t.serve.log" 2>&1 &
-    pid=$!
-    for i in $(seq 120); do grep -q "raystream ready" "$LOGS/$t.serve.log" && break; sleep 1; done
-    server="--server 127.0.0.1:$PORT"
-    raystream bench $server --streams 1 --in-flight 1 --batch-size 1 --duration 15 \
-      --out "$LOGS/$t-low" | grep -v INFO
-    raystream bench $server $SAT --out "$LOGS/$t-images" | grep -v INFO
-    raystream bench $server $SAT --pixels --out "$LOGS/$t-pixels" | grep -v INFO
-    kill -TERM $pid; wait $pid  # (SIGINT: ignored by a background job of a script)
-  done
+for t in ${*:-direct fused}; do
+  raystream serve --port "$PORT" --topology "$t" ${SERVE_ARGS:-} > "$LOGS/$t.serve.log" 2>&1 &
+  pid=$!
+  for i in $(seq 120); do grep -q "raystream ready" "$LOGS/$t.serve.log" && break; sleep 1; done
+  server="--server 127.0.0.1:$PORT"
+  raystream bench $server --streams 1 --in-flight 1 --batch-size 1 --duration 15 \
+    --out "$LOGS/$t-low" | grep -v INFO
+  raystream bench $server $SAT --out "$LOGS/$t-images" | grep -v INFO
+  raystream bench $server $SAT --pixels --out "$LOGS/$t-pixels" | grep -v INFO
+  kill -TERM $pid; wait $pid  # (SIGINT: ignored by a background job of a script)
 done
 python3 - "$LOGS" <<'PY'
 import json, pathlib, sys

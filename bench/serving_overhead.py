@@ -32,7 +32,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from clients.loadgen import Workload, client_pixels, run_load
+from clients.loadgen import Workload, model_input, run_load
 from engines.repository import PreprocessSpec
 from raystream.v1 import classifier_pb2 as pb
 from raystream.v1 import classifier_pb2_grpc as pb_grpc
@@ -153,7 +153,7 @@ def main() -> None:
         "plain grpc.aio + same decode": asyncio.run(plain_server_rate(workload, decode=True)),
     }
     identity = identity_repository(args.repository)
-    on_pixels = replace(workload, pixels=client_pixels(identity, "identity", workload.images))
+    on_pixels = replace(workload, pixels=model_input(identity, "identity", workload.images))
     results["plain grpc.aio, pixels"] = asyncio.run(plain_server_rate(on_pixels, decode=False))
     env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"} if args.same_thread else {}
     ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})

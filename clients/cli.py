@@ -149,7 +149,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         unary=args.unary,
         top_k=args.top_k,
         connections=args.connections,
-        pixels=loadgen.client_pixels(args.repository, args.model, images) if args.pixels else None,
+        pixels=loadgen.model_input(args.repository, args.model, images) if args.pixels else None,
     )
     if args.sweep:
         values = [float(v) for v in args.sweep.split(",")]

@@ -46,7 +46,7 @@ class Workload:
     # replica in turn (see find_replicas), as many as there are up to this number.
     connections: int = 1
     # Send the model input instead of the images: float32 (N, C, H, W) rows, cycled through
-    # (client_pixels makes them from the images), as a client that preprocesses itself does.
+    # (model_input makes them from the images), as a client that preprocesses itself does.
     pixels: np.ndarray | None = field(default=None, compare=False)
 
 
@@ -404,7 +404,7 @@ def in_process_baseline(
     }
 
 
-def client_pixels(repository: Path, model: str, images: tuple[bytes, ...]) -> np.ndarray:
+def model_input(repository: Path, model: str, images: tuple[bytes, ...]) -> np.ndarray:
     """`images` preprocessed as the server would (the model's spec in `repository`):
     float32 (N, C, H, W), what a client that preprocesses itself sends as `pixels`."""
     from engines.base import normalize

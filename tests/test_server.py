@@ -117,10 +117,10 @@ async def test_many_requests_on_one_stream_each_answered_once(server, photos) ->
 async def test_preprocessed_pixels_give_the_same_labels_as_images(server, photos) -> None:
     """raystream.v1 `pixels`: the client sends the model input it preprocessed itself; the
     labels and scores are those of the image path. A wrong tensor fails alone."""
-    from clients.loadgen import client_pixels
+    from clients.loadgen import model_input
 
     names = ("chelsea", "coffee")
-    pixels = client_pixels(ROOT / "models", "efficientnet-lite0", tuple(photos[n] for n in names))
+    pixels = model_input(ROOT / "models", "efficientnet-lite0", tuple(photos[n] for n in names))
     tensor = pb.Tensor(shape=pixels.shape, data=pixels.astype("<f4").tobytes())
     bad_shape = pb.Tensor(shape=[1, 3, 100, 100], data=bytes(4 * 3 * 100 * 100))
     nan = pb.Tensor(shape=[1, 3, 224, 224], data=np.full((1, 3, 224, 224), np.nan, "<f4").tobytes())
@@ -244,9 +244,9 @@ async def test_load_generator_reports_what_it_sent(server, photos, tmp_path: Pat
     assert report.latency_ms["p50"] <= report.latency_ms["p99"] <= report.latency_ms["max"]
     plot_sweep([report, report], tmp_path / "sweep.png", "test")
     # The model input instead of the images (the server decodes nothing).
-    from clients.loadgen import client_pixels
+    from clients.loadgen import model_input
 
-    pixels = client_pixels(ROOT / "models", "efficientnet-lite0", workload.images)
+    pixels = model_input(ROOT / "models", "efficientnet-lite0", workload.images)
     report = await run_load(server, replace(workload, pixels=pixels, batch_size=3))
     assert report.requests == 10 and not report.errors and report.offered["input"] == "pixels"
     assert report.images_per_s > 0 and report.mean_batch_size >= 3
