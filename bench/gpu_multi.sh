@@ -14,12 +14,17 @@
 #   D8 2 GPUs: 8 ingress replicas, 8 inference replicas x 0.25 GPU (C4 on each GPU)
 #   C4i 1 GPU : 4 ingress replicas, 2 inference replicas x 0.5 GPU (C2 with twice the front)
 #   D8i 2 GPUs: 8 ingress replicas, 4 inference replicas x 0.5 GPU (C4i on each GPU)
+#   C6 1 GPU : 4 ingress replicas, 6 inference replicas x 0.16 GPU (more decoding processes)
+#   C4c 1 GPU: C4 with the engine's graphs torch.compile'd from batch 32 up
 #   E2 1 GPU : topology direct, 2 ingress replicas x 0.5 GPU, each with its own engine
 # PROFILE="C4" samples one ingress and one inference replica of those variants with py-spy
 # (carry .whl with the py-spy wheel) and LATENCY="C4" adds, for those variants, open-loop
-# Poisson load at half the best saturated request rate and one-image requests one at a time.
+# Poisson load at half the best saturated request rate and one-image requests one at a time;
+# HALF_BATCHES="8 1" adds open-loop loads of 5,000 img/s (half of issue 5's 10,000) in
+# requests of that many images.
 # IN_FLIGHT="4 8": the closed-loop loads (requests in flight per stream) each variant runs.
-# Logs go to $LOGS (default $OUT/logs); the table is printed last.
+# The table's gpu% is each busy GPU's mean utilization (nvidia-smi, every 0.5 s) during the
+# load. Logs go to $LOGS (default $OUT/logs); the table is printed last.
 # NO_GPU_ENV=1 BASE_CONFIG=deploy/serve_config.yaml: a smoke run on a CPU box (own venv).
 [ -n "${NO_GPU_ENV:-}" ] || source bench/gpu_env.sh
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast stays off
@@ -30,18 +35,31 @@ nvidia-smi -L | tee "$LOGS/gpus.txt"
 nproc >> "$LOGS/gpus.txt"
 timeout 150 raystream export --repository models --if-missing 2>&1 | tail -1
 
+gpu_busy() {  # sample each GPU's utilization while the load runs (it starts after ~8 s)
+  sleep 9
+  timeout $((DURATION - 3)) nvidia-smi --query-gpu=index,utilization.gpu \
+    --format=csv,noheader,nounits -lms 500 > "$LOGS/$1.util.txt"
+}
+
 bench() {  # bench NAME ARGS...: one load, its line into the table
   local name=$1; shift
+  gpu_busy "$name" & local sampler=$!
   timeout 120 raystream bench --batch-size 32 --processes "$PROCS" --out "$LOGS/$name" "$@" \
     2>&1 | grep -v INFO | tee "$LOGS/$name.bench.txt"
+  wait "$sampler"
   python3 - "$name" "$*" >> "$LOGS/table.txt" <<'PY'
-import json, os, sys
+import collections, json, os, sys
 name, args = sys.argv[1:]
 r = json.load(open(f"{os.environ['LOGS']}/{name}/bench.json"))["reports"][0]
 lat = r["latency_ms"]
+busy = collections.defaultdict(list)
+for line in open(f"{os.environ['LOGS']}/{name}.util.txt"):
+    index, percent = line.split(",")
+    busy[index.strip()].append(float(percent))
+used = "/".join(f"{sum(v) / len(v):.0f}" for v in busy.values() if max(v) > 0) or "-"
 print(f"{name:<10} {r['images_per_s']:8.1f} img/s p50 {lat['p50']:7.1f} p99 {lat['p99']:7.1f} "
       f"ms batch {r['mean_batch_size']:5.1f} errors {r['errors'] or 0} "
-      f"ingress {r['offered'].get('ingress_replicas')}  [{args}]")
+      f"ingress {r['offered'].get('ingress_replicas')} gpu% {used}  [{args}]")
 PY
 }
 
@@ -59,13 +77,14 @@ profile() {  # py-spy a replica of each kind mid-load (raw stacks; bench/profile
 
 variant() {
   local name=$1 visible=$2 ingress=$3 replicas=$4 gpus=$5
-  python3 - "$name" "$ingress" "$replicas" "$gpus" <<'PY'
-import os, sys, yaml
+  ENGINE_OPTIONS=${ENGINE_OPTIONS:-} python3 - "$name" "$ingress" "$replicas" "$gpus" <<'PY'
+import json, os, sys, yaml
 name, ingress, replicas, gpus = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 config = yaml.safe_load(open(os.environ.get("BASE_CONFIG", "deploy/serve_config.gpu.yaml")))
 app = config["applications"][0]
 # Calls small enough to spread over the replicas, enough of them to keep each one busy.
 app["args"].update(requests_per_call=8, max_calls_in_flight=4 * replicas)
+app["args"]["engine"].setdefault("options", {}).update(json.loads(os.environ["ENGINE_OPTIONS"] or "{}"))
 for d in app["deployments"]:
     if d["name"] == "Ingress":
         d["num_replicas"] = ingress
@@ -102,6 +121,11 @@ PY
       local rate
       rate=$(python3 -c "print($best / 2)")  # half the best saturated request rate
       bench "$name-half" --streams 16 --rate "$rate" --duration "$DURATION" --connections "$ingress"
+      local b  # the issue's half load: 5,000 img/s, in requests of $b images
+      for b in ${HALF_BATCHES:-}; do
+        bench "$name-5k-b$b" --streams 16 --rate "$(python3 -c "print(5000 / $b)")" \
+          --batch-size "$b" --duration "$DURATION" --connections "$ingress"
+      done
       PROCS=1 bench "$name-low" --streams 1 --in-flight 1 --batch-size 1 --duration 10
     fi
   else
@@ -123,6 +147,8 @@ for v in "$@"; do
     D8) variant D8 0,1 8 8 0.25 ;;
     C4i) variant C4i 0 4 2 0.5 ;;
     D8i) variant D8i 0,1 8 4 0.5 ;;
+    C6) variant C6 0 4 6 0.16 ;;
+    C4c) ENGINE_OPTIONS='{"compile_min_batch": 32}' variant C4c 0 4 4 0.25 ;;  # torch.compile
     E2) SERVE_ARGS="--topology direct" variant E2 0 2 2 0.5 ;;  # C2's GPUs, no Ray hop
     S) variant S "" 2 1 0 ;;  # smoke run on a CPU box
     *) echo "unknown variant $v" ;;
