@@ -65,6 +65,9 @@ class Label:
 class ImageOutcome:
     labels: tuple[Label, ...] = ()
     failure: ImageFailure | None = None
+    # float32 (num_classes,): every class's probability, when the request asked for them
+    # (the Open Inference Protocol's default output); a row, not num_classes Labels
+    scores: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

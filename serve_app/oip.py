@@ -97,8 +97,8 @@ def _images(request: oip.ModelInferRequest) -> list[bytes]:
     return images
 
 
-def _top_k(request: oip.ModelInferRequest, num_classes: int) -> dict[str, int]:
-    """Requested outputs -> how many labels each needs (probabilities need all classes)."""
+def _top_k(request: oip.ModelInferRequest) -> dict[str, int]:
+    """Requested outputs -> how many labels each needs (0: the probabilities of all classes)."""
     wanted = {}
     for output in request.outputs or [
         oip.ModelInferRequest.InferRequestedOutputTensor(name=SCORES)
@@ -109,7 +109,7 @@ def _top_k(request: oip.ModelInferRequest, num_classes: int) -> dict[str, int]:
             else 0
         )
         if output.name == SCORES and not k:
-            wanted[SCORES] = num_classes
+            wanted[SCORES] = 0
         elif output.name == LABELS or k:
             wanted[output.name] = k or 5
         else:
@@ -141,18 +141,20 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"expected one input tensor, {INPUT!r} (BYTES) or {PIXELS!r} (FP32), got {names}",
             )
-        wanted = _top_k(request, self._engine.num_classes)
-        top_k = max(wanted.values())
+        wanted = _top_k(request)
+        top_k, scores = max(wanted.values()) or 1, 0 in wanted.values()
         if names == [PIXELS]:
-            answer = await self._classifier.respond(
+            answer, probabilities = await self._classifier.respond(
                 pb.ClassifyRequest(request_id=request.id, top_k=top_k),
                 context,
                 pixels=_pixels(request, self._engine.input_shape),
+                scores=scores,
             )
         else:
-            answer = await self._classifier.respond(
+            answer, probabilities = await self._classifier.respond(
                 pb.ClassifyRequest(request_id=request.id, images=_images(request), top_k=top_k),
                 context,
+                scores=scores,
             )
         if answer.error.code:
             raise _Rejected(_status(answer.error.code), answer.error.message)
@@ -166,13 +168,11 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
         )
         n = len(answer.results)
         for name, k in wanted.items():
-            if name == SCORES:
-                scores = np.zeros((n, self._engine.num_classes), np.float32)
-                for row, result in zip(scores, answer.results, strict=True):
-                    for label in result.labels:
-                        row[label.class_id] = label.score
-                response.outputs.add(name=name, datatype="FP32", shape=list(scores.shape))
-                response.raw_output_contents.append(scores.tobytes())
+            if k == 0:  # every class's probability
+                if probabilities is None:  # no images, so no rows
+                    probabilities = np.zeros((0, self._engine.num_classes), np.float32)
+                response.outputs.add(name=name, datatype="FP32", shape=list(probabilities.shape))
+                response.raw_output_contents.append(probabilities.astype("<f4").tobytes())
             else:
                 elements = [
                     f"{lb.score:f}:{lb.class_id}:{lb.name}".encode()

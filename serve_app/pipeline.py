@@ -29,13 +29,16 @@ from serve_app.stages import Inference, Preprocessor
 
 class Pipeline(Protocol):
     async def classify(
-        self, images: list[bytes], top_k: int, deadline: float | None = None
+        self, images: list[bytes], top_k: int, deadline: float | None = None, scores: bool = False
     ) -> Classified:
         """`deadline` (a time.time() value): past it, the request's work is dropped wherever
-        it is waiting, before the engine (DeadlineExceeded)."""
+        it is waiting, before the engine (DeadlineExceeded). `scores`: every image's outcome
+        also carries every class's probability."""
         ...
 
-    async def classify_preprocessed(self, pre: Preprocessed, top_k: int) -> Classified:
+    async def classify_preprocessed(
+        self, pre: Preprocessed, top_k: int, scores: bool = False
+    ) -> Classified:
         """The same for a client's already-preprocessed float32 tensor (its deadline in
         `pre.deadline`): no decoding."""
         ...
@@ -51,14 +54,16 @@ class ChainedPipeline:
         self._preprocess, self._inference, self._postprocess = preprocess, inference, postprocess
 
     async def classify(
-        self, images: list[bytes], top_k: int, deadline: float | None = None
+        self, images: list[bytes], top_k: int, deadline: float | None = None, scores: bool = False
     ) -> Classified:
         preprocessed = self._preprocess.remote(images, deadline)
         inferred = self._inference.remote(preprocessed)
-        return await self._postprocess.remote(inferred, top_k)
+        return await self._postprocess.remote(inferred, top_k, scores)
 
-    async def classify_preprocessed(self, pre: Preprocessed, top_k: int) -> Classified:
-        return await self._postprocess.remote(self._inference.remote(pre), top_k)
+    async def classify_preprocessed(
+        self, pre: Preprocessed, top_k: int, scores: bool = False
+    ) -> Classified:
+        return await self._postprocess.remote(self._inference.remote(pre), top_k, scores)
 
 
 class _DecodesHere(abc.ABC):
@@ -67,13 +72,15 @@ class _DecodesHere(abc.ABC):
     _preprocessor: Preprocessor
 
     async def classify(
-        self, images: list[bytes], top_k: int, deadline: float | None = None
+        self, images: list[bytes], top_k: int, deadline: float | None = None, scores: bool = False
     ) -> Classified:
         preprocessed = await self._preprocessor.run(images, deadline)
-        return await self.classify_preprocessed(preprocessed, top_k)
+        return await self.classify_preprocessed(preprocessed, top_k, scores)
 
     @abc.abstractmethod
-    async def classify_preprocessed(self, pre: Preprocessed, top_k: int) -> Classified: ...
+    async def classify_preprocessed(
+        self, pre: Preprocessed, top_k: int, scores: bool = False
+    ) -> Classified: ...
 
 
 class FusedPipeline(_DecodesHere):
@@ -93,11 +100,15 @@ class FusedPipeline(_DecodesHere):
             max_queued=1 << 20,  # bounded upstream: streams stop reading past their limit
         )
 
-    async def _call(self, items: list[tuple[Preprocessed, int]]) -> list[Classified | Exception]:
+    async def _call(
+        self, items: list[tuple[Preprocessed, int, bool]]
+    ) -> list[Classified | Exception]:
         return await self._inference.classify_many.remote(items)
 
-    async def classify_preprocessed(self, pre: Preprocessed, top_k: int) -> Classified:
-        result, _ = await self._calls.submit((pre, top_k), pre.deadline)
+    async def classify_preprocessed(
+        self, pre: Preprocessed, top_k: int, scores: bool = False
+    ) -> Classified:
+        result, _ = await self._calls.submit((pre, top_k, scores), pre.deadline)
         if isinstance(result, Exception):
             raise result
         return result
@@ -111,5 +122,7 @@ class LocalPipeline(_DecodesHere):
         self._preprocessor = Preprocessor(config)
         self._inference = inference
 
-    async def classify_preprocessed(self, pre: Preprocessed, top_k: int) -> Classified:
-        return await self._inference(pre, top_k)
+    async def classify_preprocessed(
+        self, pre: Preprocessed, top_k: int, scores: bool = False
+    ) -> Classified:
+        return await self._inference(pre, top_k, scores)

@@ -126,8 +126,11 @@ class Preprocessor:
         )
 
 
-def postprocess(inferred: Inferred, top_k: int, labels: tuple[str, ...]) -> Classified:
-    """Softmax + top-k + names for the good images; failures stay at their positions.
+def postprocess(
+    inferred: Inferred, top_k: int, labels: tuple[str, ...], scores: bool = False
+) -> Classified:
+    """Softmax + top-k + names for the good images; failures stay at their positions. With
+    `scores`, each good image also gets every class's probability.
 
     Run by the Postprocess deployment (topology `chained`) or inside the Inference replica
     (topology `fused`)."""
@@ -136,8 +139,9 @@ def postprocess(inferred: Inferred, top_k: int, labels: tuple[str, ...]) -> Clas
     for failure in inferred.failures:
         outcomes[failure.index] = ImageOutcome(failure=failure)
     ranked = postprocessing.labels_for(inferred.logits, top_k, labels)
-    for index, image_labels in zip(inferred.indices, ranked, strict=True):
-        outcomes[index] = ImageOutcome(labels=image_labels)
+    rows = postprocessing.softmax(inferred.logits) if scores else [None] * len(ranked)
+    for index, image_labels, row in zip(inferred.indices, ranked, rows, strict=True):
+        outcomes[index] = ImageOutcome(labels=image_labels, scores=row)
     timing = dataclasses.replace(inferred.timing, postprocess_ms=_ms_since(start))
     return Classified(tuple(outcomes), timing)
 
@@ -334,19 +338,22 @@ class Inference:
         return await self._batchers[chunk.dtype.type].submit(chunk, deadline)
 
     async def classify_many(
-        self, items: list[tuple[Preprocessed, int]]
+        self, items: list[tuple[Preprocessed, int, bool]]
     ) -> list[Classified | Exception]:
-        """Topology `fused`: many requests in one Ray call; each one's failure is its own."""
+        """Topology `fused`: many requests (each with its top_k and whether it wants every
+        class's score) in one Ray call; each one's failure is its own."""
         return await asyncio.gather(
-            *(self(pre, top_k) for pre, top_k in items), return_exceptions=True
+            *(self(pre, top_k, scores) for pre, top_k, scores in items), return_exceptions=True
         )
 
-    async def __call__(self, pre: Preprocessed, top_k: int | None = None) -> Inferred | Classified:
+    async def __call__(
+        self, pre: Preprocessed, top_k: int | None = None, scores: bool = False
+    ) -> Inferred | Classified:
         """Logits for `pre`; with `top_k` (topology `fused`) postprocessed here as well."""
         inferred = await self._infer(pre)
         if top_k is None:
             return inferred
-        return postprocess(inferred, top_k, self._spec.labels)
+        return postprocess(inferred, top_k, self._spec.labels, scores)
 
     async def _decode_jpegs(self, pre: Preprocessed) -> Preprocessed:
         """decode: gpu: turn the request's encoded JPEGs into crops beside its other pixels."""
@@ -419,5 +426,5 @@ class Postprocess:
     def __init__(self, config: dict) -> None:
         self._labels = _load_model(AppConfig.model_validate(config)).spec.labels
 
-    def __call__(self, inferred: Inferred, top_k: int) -> Classified:
-        return postprocess(inferred, top_k, self._labels)
+    def __call__(self, inferred: Inferred, top_k: int, scores: bool = False) -> Classified:
+        return postprocess(inferred, top_k, self._labels, scores)

@@ -55,6 +55,10 @@ async def test_model_infer_returns_probabilities_and_labels(server, photos) -> N
             labels.append(raw[4 : 4 + size].decode())
             raw = raw[4 + size :]
         assert len(labels) == 6 and int(labels[0].split(":")[1]) == probs[0].argmax()
+        assert abs(float(labels[0].split(":")[0]) - probs[0].max()) < 1e-5
+        # no images: an empty probabilities tensor, not an error
+        empty = await stub.ModelInfer(_request([]))
+        assert list(empty.outputs[0].shape) == [0, 1000] and empty.raw_output_contents[0] == b""
 
 
 async def test_errors_follow_the_protocol(server, photos) -> None:

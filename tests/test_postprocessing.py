@@ -46,3 +46,22 @@ def test_labels_agree_with_softmax_and_top_k() -> None:
         np.testing.assert_allclose(
             [[lb.score for lb in row] for row in labels], scores, rtol=1e-5, atol=1e-7
         )
+
+
+def test_postprocess_gives_every_class_score_only_when_asked() -> None:
+    """The Open Inference Protocol's `probabilities` output: a softmax row per good image
+    (not a Label per class), failures keep their place and get none."""
+    from serve_app.messages import ImageFailure, Inferred, StageTiming
+    from serve_app.stages import postprocess
+
+    logits = np.random.default_rng(2).normal(0, 3, (2, 10)).astype(np.float32)
+    failure = ImageFailure(index=1, code=3, message="not an image")
+    inferred = Inferred(3, logits, (0, 2), (failure,), StageTiming())
+    names = tuple(f"class{i}" for i in range(10))
+    with_scores = postprocess(inferred, 2, names, scores=True).outcomes
+    np.testing.assert_allclose(with_scores[0].scores, softmax(logits)[0], rtol=1e-6)
+    np.testing.assert_allclose(with_scores[2].scores, softmax(logits)[1], rtol=1e-6)
+    assert with_scores[1].scores is None and with_scores[1].failure == failure
+    assert with_scores[2].labels[0].class_id == logits[1].argmax()
+    assert len(with_scores[2].labels) == 2
+    assert all(o.scores is None for o in postprocess(inferred, 2, names).outcomes)
