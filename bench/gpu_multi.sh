@@ -15,7 +15,7 @@
 #   C4i 1 GPU : 4 ingress replicas, 2 inference replicas x 0.5 GPU (C2 with twice the front)
 #   D8i 2 GPUs: 8 ingress replicas, 4 inference replicas x 0.5 GPU (C4i on each GPU)
 #   C6 1 GPU : 4 ingress replicas, 6 inference replicas x 0.16 GPU (more decoding processes)
-#   C4c 1 GPU: C4 with the engine's graphs torch.compile'd from batch 32 up
+#   C4c 1 GPU: C4 with the engine's graphs torch.compile'd from batch 32 up (C2c: C2 with it)
 #   E2 1 GPU : topology direct, 2 ingress replicas x 0.5 GPU, each with its own engine
 # PROFILE="C4" samples one ingress and one inference replica of those variants with py-spy
 # (carry .whl with the py-spy wheel) and LATENCY="C4" adds, for those variants, open-loop
@@ -149,6 +149,7 @@ for v in "$@"; do
     D8i) variant D8i 0,1 8 4 0.5 ;;
     C6) variant C6 0 4 6 0.16 ;;
     C4c) ENGINE_OPTIONS='{"compile_min_batch": 32}' variant C4c 0 4 4 0.25 ;;  # torch.compile
+    C2c) ENGINE_OPTIONS='{"compile_min_batch": 32}' variant C2c 0 2 2 0.5 ;;
     E2) SERVE_ARGS="--topology direct" variant E2 0 2 2 0.5 ;;  # C2's GPUs, no Ray hop
     S) variant S "" 2 1 0 ;;  # smoke run on a CPU box
     *) echo "unknown variant $v" ;;

@@ -5,8 +5,10 @@ decoding and cropping each image as raystream does, and (3) raystream on Ray Ser
 raystream fused and direct with the echo engine on an `identity` model whose input is 8x8, so that
 the tiny 8x8 PNGs are decoded but not resized, and (5) the plain server and raystream fused
 and direct on that model sent the 8x8 model input itself (`pixels`, no decode anywhere): the
-pure serving path. Every server answers one label per image (top_k 1). Prints images/s and the
-ratios to (1) and (2); the `pixels` rows also against the plain server on pixels.
+pure serving path, and (6) raystream's direct servicer on a plain grpc.aio server in this
+process (no Ray) on the same pixels. Every server answers one label per image (top_k 1).
+Prints images/s and the ratios to (1) and (2); the `pixels` rows also against the plain
+server on pixels.
 
     python bench/serving_overhead.py --streams 4 --in-flight 4 --batch-size 8 --duration 15
 
@@ -89,6 +91,30 @@ async def plain_server_rate(workload: Workload, decode: bool) -> dict:
         await server.stop(0)
 
 
+async def servicer_rate(workload: Workload, repository: Path, model: str) -> dict:
+    """raystream's own servicer and pipeline as topology direct builds them, on a plain
+    grpc.aio server in this process, as the plain server runs: no Ray at all. Between this
+    and the plain server lies raystream's per-request code; between this and `direct` on
+    Ray Serve, the replica's process and Ray's."""
+    from serve_app.config import AppConfig
+    from serve_app.ingress import ClassifierService
+    from serve_app.pipeline import LocalPipeline
+    from serve_app.stages import Inference
+
+    args = {"model_repository": str(repository), "model": model, "engine": {"kind": "echo"}}
+    inference = await Inference.func_or_class.in_process(args)
+    config = AppConfig.model_validate(args)
+    service = ClassifierService(config, inference.info(), LocalPipeline(config, inference))
+    server = grpc.aio.server()
+    pb_grpc.add_ImageClassifierServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        return vars(await run_load(f"127.0.0.1:{port}", workload))
+    finally:
+        await server.stop(0)
+
+
 def identity_repository(source: Path, model: str = "efficientnet-lite0") -> Path:
     """A repository holding `identity`: the source model's labels, an 8x8 input, no weights
     (only the echo engine can serve it)."""
@@ -155,6 +181,9 @@ def main() -> None:
     identity = identity_repository(args.repository)
     on_pixels = replace(workload, pixels=model_input(identity, "identity", workload.images))
     results["plain grpc.aio, pixels"] = asyncio.run(plain_server_rate(on_pixels, decode=False))
+    results["direct servicer, no Ray, pixels"] = asyncio.run(
+        servicer_rate(on_pixels, identity, "identity")
+    )
     env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"} if args.same_thread else {}
     ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     serve.start(proxy_location="Disabled")
