@@ -113,6 +113,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         env={**os.environ, "PYTHONUNBUFFERED": "1"},  # its log lines as they happen
     )
     fatal = _FatalErrorWatch(child.stdout)
+    # A shell starts a background job with SIGINT ignored, and Python leaves it ignored:
+    # `kill -INT` did nothing to a backgrounded `raystream serve`. Now it stops it as Ctrl-C.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # `docker stop`, systemd and Kubernetes send SIGTERM: stop the way Ctrl-C does, so the
     # ingress drains (answers what it read, ends streams with UNAVAILABLE).
     signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGINT))

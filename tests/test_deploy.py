@@ -97,11 +97,12 @@ def test_kuberay_rayservice_embeds_a_valid_serve_config() -> None:
 
 
 @pytest.mark.slow
-def test_raystream_serve_starts_serves_and_stops_on_sigterm(
-    model_repository, photos, tmp_path
-) -> None:
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT as a background job"])
+def test_raystream_serve_starts_serves_and_stops(model_repository, photos, tmp_path, stop) -> None:
     """What `make serve` runs, as a user runs it: ready line, a classification, and SIGTERM
-    (docker stop, systemd) stopping everything the way Ctrl-C does."""
+    (docker stop, systemd) stopping everything the way Ctrl-C does; so does SIGINT sent to
+    a `raystream serve` that a script started in the background (SIGINT ignored at start)."""
+    import os
     import signal
     import socket
     import subprocess
@@ -128,6 +129,10 @@ def test_raystream_serve_starts_serves_and_stops_on_sigterm(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        if stop.startswith("SIGINT")
+        else None,
+        start_new_session=True,  # its own process group: a failed test kills the Serve child too
     )
     try:
         ready = ""
@@ -154,11 +159,11 @@ def test_raystream_serve_starts_serves_and_stops_on_sigterm(
             timeout=60,
         )
         assert classify.returncode == 0 and "cat" in classify.stdout, classify.stdout
-        server.send_signal(signal.SIGTERM)
+        server.send_signal(signal.SIGINT if stop.startswith("SIGINT") else signal.SIGTERM)
         assert server.wait(timeout=60) is not None
     finally:
         if server.poll() is None:
-            server.kill()
+            os.killpg(server.pid, signal.SIGKILL)
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
 
