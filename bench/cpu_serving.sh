@@ -21,7 +21,7 @@ for t in ${*:-direct fused}; do
     --out "$LOGS/$t-low" | grep -v INFO
   raystream bench $server $SAT --out "$LOGS/$t-images" | grep -v INFO
   raystream bench $server $SAT --pixels --out "$LOGS/$t-pixels" | grep -v INFO
-  kill -TERM $pid; wait $pid  # (SIGINT: ignored by a background job of a script)
+  kill -TERM $pid; wait $pid  # SIGTERM: what docker stop and systemd send
 done
 python3 - "$LOGS" <<'PY'
 import json, pathlib, sys
