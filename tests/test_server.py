@@ -264,6 +264,44 @@ async def test_load_generator_reports_what_it_sent(server, photos, tmp_path: Pat
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
 
 
+async def test_bench_cli_brackets_its_load_with_the_in_process_baseline(
+    server, tmp_path: Path
+) -> None:
+    """`raystream bench --baseline`: the same model in this process, half before the load
+    and half after; the ratio uses their mean and bench.json keeps both."""
+    result = _cli(
+        "bench",
+        "--server",
+        server,
+        "--batch-size",
+        "2",
+        "--requests",
+        "3",
+        "--duration",
+        "2",
+        "--baseline",
+        "--engine",
+        "onnxruntime",
+        "--repository",
+        str(ROOT / "models"),
+        "--out",
+        str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["reports"][0]["requests"] == 3 and not data["reports"][0]["errors"]
+    spread = data["baseline_before_after"]
+    assert set(spread) == {
+        "decode_and_engine_images_per_s",
+        "engine_images_per_s",
+        "engine_fp32_images_per_s",
+    }
+    for key, (before, after) in spread.items():
+        assert before > 0 and after > 0
+        assert data["baseline"][key] == (before + after) / 2
+    assert "(server / in-process = " in result.stdout
+
+
 async def test_health_and_reflection(server) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
