@@ -18,15 +18,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serving_overhead import identity_repository, tiny_png
+from serving_overhead import direct_service, identity_repository, tiny_png
 
 from clients.loadgen import model_input
 from raystream.oip import grpc_predict_v2_pb2 as oip
-from serve_app.config import AppConfig
-from serve_app.ingress import ClassifierService
 from serve_app.oip import OpenInferenceService
-from serve_app.pipeline import LocalPipeline
-from serve_app.stages import Inference
 
 
 async def ms_per_request(service: OpenInferenceService, request, seconds: float) -> float:
@@ -39,17 +35,8 @@ async def ms_per_request(service: OpenInferenceService, request, seconds: float)
 
 async def main(seconds: float, repository: Path) -> None:
     identity = identity_repository(repository)
-    config = {
-        "model_repository": str(identity),
-        "model": "identity",
-        "topology": "direct",
-        "engine": {"kind": "echo"},
-        "log_sample_rate": 0.0,
-    }
-    inference = await Inference.func_or_class.in_process(config)
-    app = AppConfig.model_validate(config)
     service = OpenInferenceService(
-        ClassifierService(app, inference.info(), LocalPipeline(app, inference))
+        await direct_service(identity, "identity", topology="direct", log_sample_rate=0.0)
     )
     pixels = model_input(identity, "identity", (tiny_png(),) * 8)
     results = {}

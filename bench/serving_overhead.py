@@ -91,22 +91,27 @@ async def plain_server_rate(workload: Workload, decode: bool) -> dict:
         await server.stop(0)
 
 
-async def servicer_rate(workload: Workload, repository: Path, model: str) -> dict:
-    """raystream's own servicer and pipeline as topology direct builds them, on a plain
-    grpc.aio server in this process, as the plain server runs: no Ray at all. Between this
-    and the plain server lies raystream's per-request code; between this and `direct` on
-    Ray Serve, the replica's process and Ray's."""
+async def direct_service(repository: Path, model: str, **extra: object):
+    """raystream's servicer and pipeline as topology direct builds them (Ingress.__init__),
+    with the echo engine, in this process and without Ray."""
     from serve_app.config import AppConfig
     from serve_app.ingress import ClassifierService
     from serve_app.pipeline import LocalPipeline
     from serve_app.stages import Inference
 
     args = {"model_repository": str(repository), "model": model, "engine": {"kind": "echo"}}
+    args |= extra
     inference = await Inference.func_or_class.in_process(args)
     config = AppConfig.model_validate(args)
-    service = ClassifierService(config, inference.info(), LocalPipeline(config, inference))
+    return ClassifierService(config, inference.info(), LocalPipeline(config, inference))
+
+
+async def servicer_rate(workload: Workload, repository: Path, model: str) -> dict:
+    """`direct_service` on a plain grpc.aio server in this process, as the plain server
+    runs: no Ray at all. Between this and the plain server lies raystream's per-request
+    code; between this and `direct` on Ray Serve, the replica's process and Ray's."""
     server = grpc.aio.server()
-    pb_grpc.add_ImageClassifierServicer_to_server(service, server)
+    pb_grpc.add_ImageClassifierServicer_to_server(await direct_service(repository, model), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:

@@ -207,9 +207,10 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
                 budget = _budget_s(request, context)
                 classified = await self._classify(request, budget, pixels, scores)
                 _fill(response, classified)
-                rows = [outcome.scores for outcome in classified.outcomes]
-                if scores and all(row is not None for row in rows):
-                    probabilities = np.stack(rows)
+                if scores:
+                    rows = [outcome.scores for outcome in classified.outcomes]
+                    if all(row is not None for row in rows):
+                        probabilities = np.stack(rows)
             else:
                 self._check_model(request.model)
                 self._top_k(request)
@@ -219,7 +220,6 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
                 logger.exception("request %r failed", request.request_id)
             response.error.code, response.error.message = int(code), message_for(exc)
             del response.results[:]
-            probabilities = None
         finally:
             self.requests_in_flight -= 1
         response.timing.total_ms = (time.perf_counter() - start) * 1000.0
