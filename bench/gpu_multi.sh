@@ -25,6 +25,8 @@
 # IN_FLIGHT="4 8": the closed-loop loads (requests in flight per stream) each variant runs.
 # The table's gpu% is each busy GPU's mean utilization (nvidia-smi, every 0.5 s) during the
 # load. Logs go to $LOGS (default $OUT/logs); the table is printed last.
+# MAX_BATCH=64: the engine's and the batcher's largest batch (default: the config's 256).
+# Under CUDA MPS: bash bench/gpu_mps.sh bash bench/gpu_multi.sh C4
 # NO_GPU_ENV=1 BASE_CONFIG=deploy/serve_config.yaml: a smoke run on a CPU box (own venv).
 [ -n "${NO_GPU_ENV:-}" ] || source bench/gpu_env.sh
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast stays off
@@ -88,6 +90,9 @@ app = config["applications"][0]
 # Calls small enough to spread over the replicas, enough of them to keep each one busy.
 app["args"].update(requests_per_call=8, max_calls_in_flight=4 * replicas)
 app["args"]["engine"].setdefault("options", {}).update(json.loads(os.environ["ENGINE_OPTIONS"] or "{}"))
+max_batch = int(os.environ.get("MAX_BATCH", 0))  # fewer graphs (and compiles) to start
+if max_batch:
+    app["args"]["engine"]["max_batch_size"] = max_batch
 for d in app["deployments"]:
     if d["name"] == "Ingress":
         d["num_replicas"] = ingress
@@ -98,6 +103,8 @@ for d in app["deployments"]:
         d["ray_actor_options"].update(
             num_gpus=gpus, num_cpus=float(os.environ.get("REPLICA_CPUS", 2))
         )
+        if max_batch:
+            d["user_config"]["max_batch_size"] = max_batch
 yaml.safe_dump(config, open(f"/tmp/{name}.yaml", "w"))
 PY
   CUDA_VISIBLE_DEVICES=$visible raystream serve --config /tmp/$name.yaml ${SERVE_ARGS:-} \
@@ -109,7 +116,7 @@ PY
     sleep 1
   done
   if grep -q "raystream ready" "$LOGS/$name.serve.log"; then
-    echo "$name ready after $((SECONDS - started)) s"
+    echo "$name ready after $((SECONDS - started)) s" | tee -a "$LOGS/table.txt"
     local profiler=
     [[ " $PROFILE " == *" $name "* ]] && { profile "$name" & profiler=$!; }
     local best=0 flight

@@ -1,0 +1,184 @@
+"""The GPU server's per-image work without the server: how many images/s can one GPU take?
+
+    python bench/gpu_pipeline.py --repository models --layouts 1x1 1x4 2x4 4x4
+
+Runs what an inference replica with `decode: gpu` does to a request of `--batch` JPEGs
+(the built-in photos): batched nvJPEG decode and the per-size resize + crop
+(serve_app/gpu_decode.py), the crops to host memory, then the torch-CUDA engine on them
+(upload, normalize, graph replay). It prints
+
+1. each stage's time for one batch, one thread (wall clock, the GPU synchronized; medians);
+2. the GPU's busy time per image: the union of every kernel's and copy's interval in a
+   torch.profiler trace of the whole pipeline (what nvidia-smi counts as busy), which bounds
+   the images/s that one GPU can reach when nothing overlaps;
+3. images/s for each layout PxT: P processes (like P inference replicas on one GPU) with T
+   threads each running the pipeline back to back; ratios against the first layout.
+
+Run it once plainly and once under CUDA MPS (see bench/gpu_mps.sh) to compare time-slicing
+between processes with kernels from several processes sharing the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def _pipeline(repository: Path, model: str, batch: int, options: dict):
+    """(run, stages): run() does one batch end to end; stages names each step's callable."""
+    from clients.loadgen import builtin_photos
+    from engines import create_engine
+    from engines.repository import resolve
+    from serve_app.gpu_decode import GpuJpegDecoder, crop_batch
+    from serve_app.preprocessing import DecodeLimits
+
+    ref = resolve(repository, model)
+    spec = ref.spec.preprocess
+    photos = builtin_photos()
+    jpegs = [photos[i % len(photos)] for i in range(batch)]
+    decoder = GpuJpegDecoder(spec, DecodeLimits())
+    engine = create_engine("torch-cuda", ref, max_batch_size=batch, precision="fp16", **options)
+    engine.warmup()
+    mean, std = spec.mean_array, spec.std_array
+
+    def run() -> np.ndarray:
+        crops = np.stack(decoder.crops(jpegs))
+        return engine.infer_uint8(crops, mean, std)
+
+    def decode():
+        data = [torch.frombuffer(bytearray(j), dtype=torch.uint8) for j in jpegs]
+        return decoder._decode_jpeg(data, mode=decoder._mode, device="cuda")
+
+    images = decode()
+    crops_gpu = crop_batch(images, spec)
+    crops = crops_gpu.permute(0, 2, 3, 1).contiguous().cpu().numpy()
+    stages = {
+        "nvJPEG decode": decode,
+        "resize + crop": lambda: crop_batch(images, spec),
+        "crops to host": lambda: crops_gpu.permute(0, 2, 3, 1).contiguous().cpu(),
+        "engine (upload, normalize, graph)": lambda: engine.infer_uint8(crops, mean, std),
+        "all of it": run,
+    }
+    return run, stages
+
+
+def _median_ms(fn, repeats: int = 30) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1000.0)
+    return statistics.median(times)
+
+
+def _busy_us_per_image(run, batch: int, repeats: int = 10) -> tuple[float, int]:
+    """GPU busy time per image (union of device-side intervals) and kernels per batch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            run()
+        torch.cuda.synchronize()
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    busy, end = 0.0, float("-inf")
+    for lo, hi in spans:
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    return busy / (repeats * batch), len(spans) // repeats
+
+
+def _run_for(run, batch: int, threads: int, seconds: float) -> int:
+    """Images done by `threads` threads running the pipeline back to back for `seconds`."""
+    stop = time.perf_counter() + seconds
+    done = [0] * threads
+
+    def loop(t: int) -> None:
+        while time.perf_counter() < stop:
+            run()
+            done[t] += batch
+
+    pool = [threading.Thread(target=loop, args=(t,)) for t in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    return sum(done)
+
+
+def _worker(args, index, ready, go, counts) -> None:
+    run, _ = _pipeline(args.repository, args.model, args.batch, args.engine_options)
+    ready.wait()
+    for layout in args.layouts:
+        processes, threads = map(int, layout.split("x"))
+        go.wait()
+        done = _run_for(run, args.batch, threads, args.seconds) if index < processes else 0
+        counts.put(done)
+        go.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repository", type=Path, default=Path("models"))
+    parser.add_argument("--model", default="efficientnet-lite0")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--layouts", nargs="+", default=["1x1", "1x4", "2x4", "4x4"])
+    parser.add_argument("--label", default="", help="a name for this run in the table")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the engine")
+    args = parser.parse_args()
+    args.engine_options = {"compile_min_batch": args.batch} if args.compile else {}
+
+    run, stages = _pipeline(args.repository, args.model, args.batch, args.engine_options)
+    print(f"one batch of {args.batch} JPEGs, one thread ({args.label}):")
+    for name, fn in stages.items():
+        ms = _median_ms(fn)
+        print(f"  {name:<36} {ms:7.2f} ms  {1000 * ms / args.batch:7.1f} us/image")
+    busy_us, kernels = _busy_us_per_image(run, args.batch)
+    print(
+        f"  GPU busy per image {busy_us:.1f} us ({kernels} kernels and copies per batch): "
+        f"at most {1e6 / busy_us:,.0f} img/s with nothing overlapping"
+    )
+    del run, stages
+    torch.cuda.empty_cache()
+
+    ctx = mp.get_context("spawn")
+    most = max(int(layout.split("x")[0]) for layout in args.layouts)
+    ready, go = ctx.Barrier(most + 1), ctx.Barrier(most + 1)
+    counts = ctx.Queue()
+    workers = [ctx.Process(target=_worker, args=(args, i, ready, go, counts)) for i in range(most)]
+    for worker in workers:
+        worker.start()
+    ready.wait()
+    rates = {}
+    for layout in args.layouts:
+        go.wait()
+        total = sum(counts.get() for _ in range(most))
+        go.wait()
+        rates[layout] = total / args.seconds
+    for worker in workers:
+        worker.join()
+    first = rates[args.layouts[0]]
+    print(f"processes x threads, {args.seconds:.0f} s each ({args.label}):")
+    for layout, rate in rates.items():
+        print(f"  {layout:<6} {rate:9,.0f} img/s  {rate / first:5.2f}x {args.layouts[0]}")
+
+
+if __name__ == "__main__":
+    main()
