@@ -8,7 +8,9 @@ from the queue only when it is free: under load a batch holds everything that ar
 the engine was busy (up to `max_batch_size` images), at low load a lone request runs at once,
 and `max_delay_s` optionally waits for company. Cancelled requests, and requests whose
 deadline passed while queued (`DeadlineExceeded`), are dropped before they reach the engine;
-a full queue rejects at once (`Overloaded`).
+a full queue rejects at once (`Overloaded`). With `spread`, a worker that finds others idle
+takes only its share of the queue, so work split into pieces runs on every idle worker at
+once (the GPU decoder: part of nvJPEG's work runs on the calling thread).
 
 `AdaptiveWait` picks `max_delay_s` at run time: the longest wait (so the largest batches)
 that keeps the measured p99 of queue + engine time under a target.
@@ -88,11 +90,14 @@ class DynamicBatcher(Generic[T, R]):
         max_delay_s: float = 0.0,
         max_concurrent: int = 1,
         max_queued: int = 4096,
+        spread: bool = False,
     ) -> None:
         self._run, self._size_of = run, size_of
         self.max_batch_size, self.max_delay_s = max_batch_size, max_delay_s
         self.max_queued = max_queued  # images waiting; past this, submit() raises Overloaded
         self.adaptive: AdaptiveWait | None = None  # set: it chooses max_delay_s
+        self.spread = spread
+        self._running = 0  # workers running a batch
         self._queue: collections.deque[_Pending[T, R]] = collections.deque()
         self._queued_images = 0
         self._arrived = asyncio.Event()
@@ -125,8 +130,16 @@ class DynamicBatcher(Generic[T, R]):
             self.max_delay_s = self.adaptive.wait_s
         return result, waited_ms
 
+    def _limit(self) -> int:
+        """Images the next batch may hold: with `spread`, the queue's share of each idle
+        worker (this one included); a busy replica still forms full batches."""
+        if not self.spread:
+            return self.max_batch_size
+        idle = max(self.concurrency - self._running, 1)
+        return min(self.max_batch_size, -(-self._queued_images // idle))
+
     def _take(self) -> list[_Pending[T, R]]:
-        batch, images, now = [], 0, time.time()
+        batch, images, now, limit = [], 0, time.time(), self._limit()
         while self._queue:
             head = self._queue[0]
             expired = head.deadline is not None and head.deadline <= now
@@ -138,7 +151,7 @@ class DynamicBatcher(Generic[T, R]):
                     message = f"deadline passed after {waited:.0f} ms in the batch queue"
                     head.future.set_exception(DeadlineExceeded(message))
                 continue
-            if batch and images + head.size > self.max_batch_size:
+            if batch and images + head.size > limit:
                 break
             batch.append(self._queue.popleft())
             self._queued_images -= head.size
@@ -173,6 +186,7 @@ class DynamicBatcher(Generic[T, R]):
             batch = self._take()
             if not batch:
                 continue
+            self._running += 1
             try:
                 results = await self._run([p.item for p in batch])
             except Exception as exc:
@@ -180,6 +194,8 @@ class DynamicBatcher(Generic[T, R]):
                     if not p.future.done():
                         p.future.set_exception(exc)
                 continue
+            finally:
+                self._running -= 1
             for p, result in zip(batch, results, strict=True):
                 if not p.future.done():
                     p.future.set_result(result)

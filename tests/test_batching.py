@@ -189,3 +189,19 @@ async def test_replica_user_config_sets_every_batcher(model_repository) -> None:
     for batcher in replica._batchers.values():
         assert batcher.adaptive is None and batcher.max_delay_s == 0.01
         assert batcher.concurrency == 2
+
+
+async def test_spread_shares_the_queue_over_idle_workers_and_fills_when_busy() -> None:
+    engine = GatedEngine()
+    batcher = DynamicBatcher(engine.run, len, max_batch_size=32, max_concurrent=4, spread=True)
+    pieces = [asyncio.create_task(batcher.submit([1] * 8)) for _ in range(4)]
+    await asyncio.sleep(0.01)
+    assert engine.batches == [[8], [8], [8], [8]]  # four idle workers: one piece each
+    more = [asyncio.create_task(batcher.submit([1] * 8)) for _ in range(4)]
+    await asyncio.sleep(0.01)
+    engine.gate.set()
+    results = await asyncio.gather(*pieces, *more)
+    assert [r for r, _ in results] == [8] * 8
+    # queued while every worker was busy: the first one free takes all of it
+    assert engine.batches[4:] == [[8, 8, 8, 8]]
+    await batcher.close()

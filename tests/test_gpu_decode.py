@@ -159,6 +159,7 @@ async def test_inference_replica_decodes_waiting_requests_together(
     ]
     pres = [await preprocessor.run(images) for images in requests]
     calls.clear()  # the replica's start-up
+    replica._decode_batcher.set_concurrency(1)  # one decode thread: the others wait for it
     answers = await asyncio.gather(*(replica(pre, 1) for pre in pres))
     top = [
         [o.labels[0].class_id if o.labels else o.failure.code for o in a.outcomes] for a in answers
@@ -167,3 +168,12 @@ async def test_inference_replica_decodes_waiting_requests_together(
     assert top[0][0] in CATS and top[0][2] in COFFEE and top[1][0] in COFFEE
     assert all(i in CATS for i in top[2])
     assert sum(calls) == 5 and len(calls) < 3  # 5 JPEGs in fewer calls than requests
+
+    # Idle decode threads share one large request: 20 JPEGs in pieces of 8, 8 and 4.
+    replica._decode_batcher.set_concurrency(4)
+    calls.clear()
+    large = [photos["chelsea"], photos["coffee"]] * 10
+    answer = await replica(await preprocessor.run(large), 1)
+    assert sorted(calls) == [4, 8, 8]
+    top = [o.labels[0].class_id for o in answer.outcomes]
+    assert all(t in CATS for t in top[::2]) and all(t in COFFEE for t in top[1::2])
