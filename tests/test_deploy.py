@@ -44,8 +44,8 @@ def test_serve_direct_gives_the_ingress_inferences_settings() -> None:
     config, app = _serve_config(ROOT / "deploy" / "serve_config.gpu.yaml", {"topology": "direct"})
     [ingress] = config["applications"][0]["deployments"]  # Inference is hosted by Ingress
     assert app.topology == "direct" and ingress["name"] == "Ingress"
-    assert ingress["user_config"]["max_batch_size"] == 256
-    assert ingress["ray_actor_options"]["num_gpus"] == 0.5
+    assert ingress["user_config"]["max_batch_size"] == 64
+    assert ingress["ray_actor_options"]["num_gpus"] == 0.25
 
 
 def test_config_errors_name_the_field() -> None:
