@@ -232,7 +232,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         ran = len(response.results) > 0
         self._metrics.record(
             code=_code_name(response.error.code),
-            image_codes=(_code_name(r.error.code) for r in response.results),
+            image_codes=[_code_name(r.error.code) for r in response.results],
             total_ms=t.total_ms,
             stage_ms={
                 "queue": t.queue_ms,
@@ -350,8 +350,11 @@ def _budget_s(
     return min(budgets) if budgets else None
 
 
+_CODE_NAMES = {int(code): code.name for code in Code}
+
+
 def _code_name(code: int) -> str:
-    return Code(code).name if code in Code._value2member_map_ else str(code)
+    return _CODE_NAMES.get(code) or str(code)
 
 
 def _error_response(request: pb.ClassifyRequest, exc: Exception) -> pb.ClassifyResponse:

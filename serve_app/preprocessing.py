@@ -14,6 +14,7 @@ Pure functions over bytes, PIL images and numpy arrays: no Ray, no gRPC. The pol
 from __future__ import annotations
 
 import io
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,9 +153,9 @@ def client_pixels(
             f"input {name!r} must have shape [N, {', '.join(map(str, input_shape))}], "
             f"got {list(shape)}"
         )
-    if values.size != int(np.prod(shape)):
+    if values.size != math.prod(shape):
         raise InvalidArgument(
-            f"input shape {list(shape)} holds {int(np.prod(shape))} values, got {values.size}"
+            f"input shape {list(shape)} holds {math.prod(shape)} values, got {values.size}"
         )
     if not np.isfinite(values).all():
         raise InvalidArgument(f"input {name!r} has NaN or inf")

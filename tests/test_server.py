@@ -368,16 +368,20 @@ async def test_prometheus_metrics_move(server, photos, metrics_url) -> None:
 
     before = await asyncio.to_thread(scrape)
     ok_before = _metric(before, "ray_raystream_inference_request_total", code="OK")
+    images_before = _metric(before, "ray_raystream_inference_image_total", code="OK")
     requests = [
         pb.ClassifyRequest(request_id=str(i), images=[photos["coffee"], b"junk"]) for i in range(3)
     ]
+    requests.append(pb.ClassifyRequest(request_id="good", images=[photos["coffee"]] * 2))
     await _stream(server, requests)
     for _ in range(60):  # Ray's agent exports every second in the test cluster
         text = await asyncio.to_thread(scrape)
-        if _metric(text, "ray_raystream_inference_request_total", code="OK") >= ok_before + 3:
+        if _metric(text, "ray_raystream_inference_request_total", code="OK") >= ok_before + 4:
             break
         await asyncio.sleep(0.5)
-    assert _metric(text, "ray_raystream_inference_request_total", code="OK") >= ok_before + 3
+    assert _metric(text, "ray_raystream_inference_request_total", code="OK") >= ok_before + 4
+    # 3 good images beside the junk and 2 in the all-good request (counted in one call)
+    assert _metric(text, "ray_raystream_inference_image_total", code="OK") >= images_before + 5
     assert _metric(text, "ray_raystream_inference_image_total", code="INVALID_ARGUMENT") >= 3
     assert _metric(text, "ray_raystream_request_duration_ms_count") >= 3
     assert _metric(text, "ray_raystream_compute_duration_ms_count") >= 3
