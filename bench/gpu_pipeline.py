@@ -52,15 +52,11 @@ def _pipeline(repository: Path, model: str, batch: int, options: dict):
         crops = np.stack(decoder.crops(jpegs))
         return engine.infer_uint8(crops, mean, std)
 
-    def decode():
-        data = [torch.frombuffer(bytearray(j), dtype=torch.uint8) for j in jpegs]
-        return decoder._decode_jpeg(data, mode=decoder._mode, device="cuda")
-
-    images = decode()
+    images = decoder.decode_batch(jpegs)
     crops_gpu = crop_batch(images, spec)
     crops = crops_gpu.permute(0, 2, 3, 1).contiguous().cpu().numpy()
     stages = {
-        "nvJPEG decode": decode,
+        "nvJPEG decode": lambda: decoder.decode_batch(jpegs),
         "resize + crop": lambda: crop_batch(images, spec),
         "crops to host": lambda: crops_gpu.permute(0, 2, 3, 1).contiguous().cpu(),
         "engine (upload, normalize, graph)": lambda: engine.infer_uint8(crops, mean, std),

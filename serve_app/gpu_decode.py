@@ -38,10 +38,8 @@ class GpuJpegDecoder:
         """Several requests' JPEGs in one batched decode (one resize per distinct size).
         A bad JPEG fails the whole batched call: then each request is decoded on its own,
         and only the one holding the bad JPEG goes image by image."""
-        flat = [jpeg for jpegs in requests for jpeg in jpegs]
-        data = [torch.frombuffer(bytearray(j), dtype=torch.uint8) for j in flat]
         try:
-            images = self._decode_jpeg(data, mode=self._mode, device=self._device)
+            images = self.decode_batch([jpeg for jpegs in requests for jpeg in jpegs])
         except RuntimeError:
             if len(requests) == 1:
                 return [[self._one(jpeg) for jpeg in requests[0]]]
@@ -49,6 +47,12 @@ class GpuJpegDecoder:
         crops = crop_batch(images, self._spec).permute(0, 2, 3, 1).contiguous().cpu().numpy()
         bounds = itertools.accumulate((len(jpegs) for jpegs in requests), initial=0)
         return [list(crops[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
+
+    def decode_batch(self, jpegs: list[bytes]) -> list[torch.Tensor]:
+        """One batched nvJPEG call: (3, H, W) uint8 images on the device; a bad JPEG fails
+        the whole call (RuntimeError)."""
+        data = [torch.frombuffer(bytearray(j), dtype=torch.uint8) for j in jpegs]
+        return self._decode_jpeg(data, mode=self._mode, device=self._device)
 
     def _one(self, jpeg: bytes) -> np.ndarray | InvalidImage:
         try:

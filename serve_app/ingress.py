@@ -232,7 +232,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         ran = len(response.results) > 0
         self._metrics.record(
             code=_code_name(response.error.code),
-            image_codes=[_code_name(r.error.code) for r in response.results],
+            image_codes=(_code_name(r.error.code) for r in response.results),
             total_ms=t.total_ms,
             stage_ms={
                 "queue": t.queue_ms,

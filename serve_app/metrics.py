@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import collections
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
@@ -66,16 +66,13 @@ class IngressMetrics:
         }
 
     def record(
-        self, code: str, image_codes: Sequence[str], total_ms: float, stage_ms: dict[str, float]
+        self, code: str, image_codes: Iterable[str], total_ms: float, stage_ms: dict[str, float]
     ) -> None:
         self.requests.inc(1, tags={"code": code})
         if code in REJECTED_CODES and not stage_ms:
             self.rejected.inc(1, tags={"code": code})
-        if image_codes and all(c == "OK" for c in image_codes):  # the usual case
-            self.images.inc(len(image_codes), tags={"code": "OK"})
-        else:
-            for image_code, count in collections.Counter(image_codes).items():
-                self.images.inc(count, tags={"code": image_code})  # a call per code, not image
+        for image_code, count in collections.Counter(image_codes).items():
+            self.images.inc(count, tags={"code": image_code})  # one call per code, not image
         self.total.observe(total_ms)
         for stage, ms in stage_ms.items():
             self.stages[stage].observe(ms)

@@ -380,7 +380,7 @@ async def test_prometheus_metrics_move(server, photos, metrics_url) -> None:
             break
         await asyncio.sleep(0.5)
     assert _metric(text, "ray_raystream_inference_request_total", code="OK") >= ok_before + 4
-    # 3 good images beside the junk and 2 in the all-good request (counted in one call)
+    # 3 good images beside the junk and 2 in the all-good request
     assert _metric(text, "ray_raystream_inference_image_total", code="OK") >= images_before + 5
     assert _metric(text, "ray_raystream_inference_image_total", code="INVALID_ARGUMENT") >= 3
     assert _metric(text, "ray_raystream_request_duration_ms_count") >= 3
