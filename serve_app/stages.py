@@ -176,9 +176,11 @@ MAX_CONCURRENT_BATCHES = 2  # GPU engines hold this many slots (engines/cuda_gra
 # where 4 calls of 32 (one request each) delivered 7,753 (docs/benchmarks.md, section 2c).
 DECODE_BATCHES = 4
 DECODE_BATCH_IMAGES = 32
-# A request's JPEGs reach the decoder in pieces of at most this many: while decode threads
-# are idle (below saturation) one large request is decoded by all of them at once.
-DECODE_PIECE = 8
+# A request's JPEGs reach the decoder in pieces of at most this many, so that idle decode
+# threads share a very large request. Smaller pieces did not pay: torchvision runs one nvJPEG
+# call at a time per process, and at ~4,200 img/s in requests of 32 pieces of 8 gave p99
+# 56 ms where whole requests gave 46 (bench/gpu_latency.py, docs/benchmarks.md section 2f).
+DECODE_PIECE = DECODE_BATCH_IMAGES
 
 
 def _images_in(items: list[_Queued]) -> int:

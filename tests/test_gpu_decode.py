@@ -169,11 +169,11 @@ async def test_inference_replica_decodes_waiting_requests_together(
     assert all(i in CATS for i in top[2])
     assert sum(calls) == 5 and len(calls) < 3  # 5 JPEGs in fewer calls than requests
 
-    # Idle decode threads share one large request: 20 JPEGs in pieces of 8, 8 and 4.
+    # Idle decode threads share one large request: 70 JPEGs in pieces of 32, 32 and 6.
     replica._decode_batcher.set_concurrency(4)
     calls.clear()
-    large = [photos["chelsea"], photos["coffee"]] * 10
+    large = [photos["chelsea"], photos["coffee"]] * 35
     answer = await replica(await preprocessor.run(large), 1)
-    assert sorted(calls) == [4, 8, 8]
+    assert sorted(calls) == [6, 32, 32]
     top = [o.labels[0].class_id for o in answer.outcomes]
     assert all(t in CATS for t in top[::2]) and all(t in COFFEE for t in top[1::2])
