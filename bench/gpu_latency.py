@@ -140,8 +140,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(args.processes), ctx.Queue()
     workers = [
-        ctx.Process(target=_worker, args=(args, i, barrier, results))
-        for i in range(args.processes)
+        ctx.Process(target=_worker, args=(args, i, barrier, results)) for i in range(args.processes)
     ]
     for worker in workers:
         worker.start()
