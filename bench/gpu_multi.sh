@@ -18,6 +18,7 @@
 #   C4c 1 GPU: C4 with the engine's graphs torch.compile'd from batch 32 up (C2c: C2 with it)
 #   E2 1 GPU : topology direct, 2 ingress replicas x 0.5 GPU, each with its own engine
 #   E4c 1 GPU: topology direct, 4 replicas x 0.25 GPU, engine compiled as in C4c
+#   E8c 1 GPU: topology direct, 8 replicas x 0.125 GPU, engine compiled
 # PROFILE="C4" samples one ingress and one inference replica of those variants with py-spy
 # (carry .whl with the py-spy wheel) and LATENCY="C4" adds, for those variants, open-loop
 # Poisson load at half the best saturated request rate and one-image requests one at a time;
@@ -164,6 +165,8 @@ for v in "$@"; do
     E2) SERVE_ARGS="--topology direct" variant E2 0 2 2 0.5 ;;  # C2's GPUs, no Ray hop
     E4c) SERVE_ARGS="--topology direct" ENGINE_OPTIONS='{"compile_min_batch": 32}' \
       variant E4c 0 4 4 0.25 ;;
+    E8c) SERVE_ARGS="--topology direct" ENGINE_OPTIONS='{"compile_min_batch": 32}' \
+      variant E8c 0 8 8 0.125 ;;
     S) REPLICA_CPUS=${REPLICA_CPUS:-0.25} variant S "" 2 1 0 ;;  # a CPU box: 2 logical CPUs
     *) echo "unknown variant $v" ;;
   esac
