@@ -1,10 +1,12 @@
 """`raystream serve`: validate the Serve config, run `serve run` on it in the foreground,
-and say when the server is serving (from the gRPC health service)."""
+and say when the server is serving: the gRPC health service answers SERVING and Serve
+reports the application RUNNING (every replica up, not only the first to answer)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import signal
@@ -13,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -120,6 +123,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # ingress drains (answers what it read, ends streams with UNAVAILABLE).
     signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGINT))
     address = f"{app.host}:{app.port}"
+    started = time.monotonic()
 
     async def wait_ready() -> bool:
         """Poll the health service (open even with token auth) until SERVING."""
@@ -146,7 +150,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if app.security.tls_cert is not None:
             print(f"raystream starting with TLS on {address}; readiness is not probed", flush=True)
         elif asyncio.run(wait_ready()):
+            # Health answers as soon as one replica listens; with several replicas (or
+            # replicas compiling their engines) the rest may still be starting.
+            running = _wait_running(
+                config["applications"][0]["name"],
+                args.ready_timeout - (time.monotonic() - started),
+                lambda: child.poll() is None and fatal.error is None,
+            )
             described = asyncio.run(_describe(address, app))
+            if running is None:
+                print(
+                    "raystream: could not ask Serve whether every replica is up; at least one "
+                    "answers",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            else:
+                replicas = ", ".join(f"{name} {n}" for name, n in running.items())
+                described += f"; replicas running: {replicas}"
             print(f"raystream ready: gRPC on {address}, {described}; Ctrl-C stops", flush=True)
         elif fatal.error is not None:
             print(f"raystream: cannot start: {fatal.error}", file=sys.stderr, flush=True)
@@ -173,6 +194,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise
     finally:
         os.unlink(f.name)
+
+
+def _wait_running(app_name: str, timeout: float, alive) -> dict[str, int] | None:
+    """Replicas running per deployment once Serve reports `app_name` RUNNING, asked by a
+    helper process that joins the local Ray cluster as a driver (no dashboard needed); None
+    if Serve could not be asked, or `alive()` turned false, or `timeout` passed first."""
+    helper = subprocess.Popen(
+        [sys.executable, "-m", "clients.serve_command", app_name, str(max(timeout, 1.0))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    while helper.poll() is None:
+        if not alive():
+            helper.kill()
+        time.sleep(0.2)
+    lines = helper.stdout.read().splitlines()
+    return json.loads(lines[-1]) if helper.returncode == 0 and lines else None
+
+
+def _report_when_running(app_name: str, timeout: float) -> int:
+    """The helper of `_wait_running`: prints {deployment: replicas running} as JSON."""
+    import ray
+    from ray import serve
+
+    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = serve.status().applications.get(app_name)
+        if status is not None and status.status == "RUNNING":
+            counts = {
+                name: deployment.replica_states.get("RUNNING", 0)
+                for name, deployment in status.deployments.items()
+            }
+            print(json.dumps(counts), flush=True)
+            return 0
+        time.sleep(0.5)
+    return 1
 
 
 class _FatalErrorWatch:
@@ -208,3 +267,7 @@ async def _describe(address: str, app) -> str:
         f"model {info.name}/{info.version}, engine {info.engine} ({info.precision}), "
         f"topology {app.topology}"
     )
+
+
+if __name__ == "__main__":  # python -m clients.serve_command APP TIMEOUT: see _wait_running
+    sys.exit(_report_when_running(sys.argv[1], float(sys.argv[2])))

@@ -141,6 +141,8 @@ def test_raystream_serve_starts_serves_and_stops(model_repository, photos, tmp_p
             ready = server.stdout.readline()
             assert ready or server.poll() is None, "raystream serve exited before it was ready"
         assert f"gRPC on 127.0.0.1:{port}" in ready and "efficientnet-lite0" in ready
+        # ready once Serve reports every replica up, not when the first one answers
+        assert "replicas running:" in ready and "Ingress 1" in ready and "Inference 1" in ready
         photo = tmp_path / "chelsea.jpg"
         photo.write_bytes(photos["chelsea"])
         classify = subprocess.run(
