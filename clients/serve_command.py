@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -196,18 +197,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         os.unlink(f.name)
 
 
-def _wait_running(app_name: str, timeout: float, alive) -> dict[str, int] | None:
+def _wait_running(
+    app_name: str, timeout: float, alive: Callable[[], bool]
+) -> dict[str, int] | None:
     """Replicas running per deployment once Serve reports `app_name` RUNNING, asked by a
     helper process that joins the local Ray cluster as a driver (no dashboard needed); None
     if Serve could not be asked, or `alive()` turned false, or `timeout` passed first."""
+    timeout = max(timeout, 1.0)
     helper = subprocess.Popen(
-        [sys.executable, "-m", "clients.serve_command", app_name, str(max(timeout, 1.0))],
+        [sys.executable, "-m", "clients.serve_command", app_name, str(timeout)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
     )
+    give_up = time.monotonic() + timeout + 30.0  # joining the cluster may itself hang
     while helper.poll() is None:
-        if not alive():
+        if not alive() or time.monotonic() > give_up:
             helper.kill()
         time.sleep(0.2)
     lines = helper.stdout.read().splitlines()
