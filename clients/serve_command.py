@@ -155,6 +155,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             # replicas compiling their engines) the rest may still be starting.
             running = _wait_running(
                 config["applications"][0]["name"],
+                _cluster_address(child.pid),
                 args.ready_timeout - (time.monotonic() - started),
                 lambda: child.poll() is None and fatal.error is None,
             )
@@ -197,18 +198,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
         os.unlink(f.name)
 
 
+def _cluster_address(serve_pid: int) -> str | None:
+    """The GCS address of the Ray instance that `serve run` (process `serve_pid`) started:
+    the --gcs-address flag of its raylet child (Linux /proc). Other Ray instances may run on
+    the machine (a test session's, say), so "auto" could pick the wrong one. RAY_ADDRESS when
+    `serve run` joined an existing cluster; None when neither is found."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != serve_pid:  # ppid
+                continue
+            args = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not Linux
+            continue
+        for arg in args:
+            if arg.startswith(b"--gcs-address="):
+                return arg.split(b"=", 1)[1].decode()
+    return os.environ.get("RAY_ADDRESS") or None
+
+
 def _wait_running(
-    app_name: str, timeout: float, alive: Callable[[], bool]
+    app_name: str, address: str | None, timeout: float, alive: Callable[[], bool]
 ) -> dict[str, int] | None:
     """Replicas running per deployment once Serve reports `app_name` RUNNING, asked by a
-    helper process that joins the local Ray cluster as a driver (no dashboard needed); None
-    if Serve could not be asked, or `alive()` turned false, or `timeout` passed first."""
+    helper process that joins the Ray cluster at `address` as a driver (no dashboard
+    needed); None if there is no address, Serve could not be asked, `alive()` turned false,
+    or `timeout` passed first."""
+    if address is None:
+        return None
     timeout = max(timeout, 1.0)
     helper = subprocess.Popen(
-        [sys.executable, "-m", "clients.serve_command", app_name, str(timeout)],
+        [sys.executable, "-m", "clients.serve_command", app_name, address, str(timeout)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
+        # A Ray instance started by `serve run` uses token auth unless the environment turns
+        # it off; a driver given an explicit address assumes no auth unless told.
+        env={"RAY_AUTH_MODE": "token", **os.environ},
     )
     give_up = time.monotonic() + timeout + 30.0  # joining the cluster may itself hang
     while helper.poll() is None:
@@ -219,12 +244,12 @@ def _wait_running(
     return json.loads(lines[-1]) if helper.returncode == 0 and lines else None
 
 
-def _report_when_running(app_name: str, timeout: float) -> int:
+def _report_when_running(app_name: str, address: str, timeout: float) -> int:
     """The helper of `_wait_running`: prints {deployment: replicas running} as JSON."""
     import ray
     from ray import serve
 
-    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         status = serve.status().applications.get(app_name)
@@ -274,5 +299,5 @@ async def _describe(address: str, app) -> str:
     )
 
 
-if __name__ == "__main__":  # python -m clients.serve_command APP TIMEOUT: see _wait_running
-    sys.exit(_report_when_running(sys.argv[1], float(sys.argv[2])))
+if __name__ == "__main__":  # python -m clients.serve_command APP ADDRESS TIMEOUT: _wait_running
+    sys.exit(_report_when_running(sys.argv[1], sys.argv[2], float(sys.argv[3])))
