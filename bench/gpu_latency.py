@@ -98,8 +98,11 @@ def _gil_probe(decoder, jpegs, seconds: float = 3.0) -> dict[str, float]:
 
 def _worker(args, index: int, barrier, results) -> None:
     from clients.loadgen import builtin_photos
+    from engines.repository import resolve
     from serve_app import stages
     from serve_app.config import AppConfig
+    from serve_app.gpu_decode import GpuJpegDecoder
+    from serve_app.preprocessing import DecodeLimits
 
     photos = builtin_photos()
     jpegs = [photos[i % len(photos)] for i in range(args.batch)]
@@ -109,7 +112,8 @@ def _worker(args, index: int, barrier, results) -> None:
         preprocessor = stages.Preprocessor(AppConfig.model_validate(config))
         replica = await stages.Inference.func_or_class.in_process(config)
         if args.gil_probe and index == 0:
-            results.put(("gil", _gil_probe(replica._gpu_decoder, jpegs)))
+            spec = resolve(args.repository, "efficientnet-lite0").spec.preprocess
+            results.put(("gil", _gil_probe(GpuJpegDecoder(spec, DecodeLimits()), jpegs)))
         for _ in range(20):  # warm: the decoder, each resize size, the batch buckets
             await replica(await preprocessor.run(jpegs), 1)
         for piece in args.pieces:
