@@ -4,12 +4,21 @@ Ray prefixes every name with `ray_`). Named and labelled after Triton's `nv_infe
     raystream_inference_request_total{code}    requests answered, by gRPC status code name
     raystream_inference_image_total{code}      images answered, by status code name
     raystream_request_duration_ms              end to end in the ingress (histogram)
-    raystream_{queue,preprocess,compute,postprocess}_duration_ms   per-stage (histograms)
+    raystream_stage_duration_ms_total{stage}   ms in queue/preprocess/compute/postprocess,
+                                               summed over requests answered OK (Triton's
+                                               nv_inference_*_duration_us counters)
     raystream_batch_size                       images per engine batch (histogram)
     raystream_requests_in_flight               requests being answered (gauge)
     raystream_rejected_request_total{code}     requests refused: overload, duplicate id, limits
 
-Serve adds the deployment, replica and application tags.
+Serve adds the deployment, replica and application tags. A stage's mean time per request:
+    rate(raystream_stage_duration_ms_total{stage="queue"}[1m])
+      / rate(raystream_inference_request_total{code="OK"}[1m])
+
+Counters add up in the replica and reach Ray once a second (`IngressMetrics.flush`): a Ray
+metric call with Serve's tags costs microseconds, and one request made seven of them
+(docs/benchmarks.md section 3: 15% of a direct replica's requests/s on the CPU box). Only the
+end-to-end histogram is still observed per request; Ray's histograms take one value a call.
 """
 
 from __future__ import annotations
@@ -56,26 +65,32 @@ class IngressMetrics:
             boundaries=LATENCY_MS,
             description="End-to-end request time in the ingress.",
         )
-        self.stages = {
-            stage: Histogram(
-                f"raystream_{stage}_duration_ms",
-                boundaries=LATENCY_MS,
-                description=f"Per-request {stage} time.",
-            )
-            for stage in ("queue", "preprocess", "compute", "postprocess")
-        }
+        self.stages = Counter(
+            "raystream_stage_duration_ms_total",
+            tag_keys=("stage",),
+            description="Milliseconds per stage, summed over requests answered OK.",
+        )
+        # What flush() hands to Ray: (counter, tag key, tag value) -> amount since the last
+        self._pending: collections.Counter[tuple[Counter, str, str]] = collections.Counter()
 
     def record(
         self, code: str, image_codes: Iterable[str], total_ms: float, stage_ms: dict[str, float]
     ) -> None:
-        self.requests.inc(1, tags={"code": code})
+        pending = self._pending
+        pending[self.requests, "code", code] += 1
         if code in REJECTED_CODES and not stage_ms:
-            self.rejected.inc(1, tags={"code": code})
-        for image_code, count in collections.Counter(image_codes).items():
-            self.images.inc(count, tags={"code": image_code})  # one call per code, not image
-        self.total.observe(total_ms)
+            pending[self.rejected, "code", code] += 1
+        for image_code in image_codes:
+            pending[self.images, "code", image_code] += 1
         for stage, ms in stage_ms.items():
-            self.stages[stage].observe(ms)
+            pending[self.stages, "stage", stage] += ms
+        self.total.observe(total_ms)
+
+    def flush(self) -> None:
+        """Hand the counts gathered since the last flush to Ray: one call per counter and tag."""
+        pending, self._pending = self._pending, collections.Counter()
+        for (counter, key, value), amount in pending.items():
+            counter.inc(amount, tags={key: value})
 
 
 class InferenceMetrics:
