@@ -44,6 +44,11 @@ def _serve_config(path: Path, overrides: dict) -> tuple[dict, object]:
     if args.get("topology") in ("fused", "direct"):  # these exist only in topology chained
         deployments = [d for d in deployments if d.get("name") not in ("Preprocess", "Postprocess")]
     if args.get("topology") == "direct":
+        from serve_app.app import DIRECT_REPLICA_ENV
+
+        env_vars = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
+        for name, value in DIRECT_REPLICA_ENV.items():
+            env_vars.setdefault(name, value)
         # The ingress replicas host the model: they take Inference's batching and GPUs.
         inference = next((d for d in deployments if d.get("name") == "Inference"), {})
         deployments = [d for d in deployments if d.get("name") != "Inference"]

@@ -21,7 +21,7 @@ from typing import TypeVar
 import numpy as np
 from ray import serve
 
-from engines import EngineInfo, create_engine
+from engines import Engine, EngineInfo, create_engine
 from engines.repository import ModelRef, resolve
 from serve_app import postprocessing, preprocessing
 from serve_app.batching import AdaptiveWait, DynamicBatcher
@@ -185,6 +185,18 @@ DECODE_BATCH_IMAGES = 32
 DECODE_PIECE = DECODE_BATCH_IMAGES
 
 
+def _warm_engine(config: AppConfig, model: ModelRef) -> Engine:
+    engine = create_engine(
+        config.engine.kind,
+        model,
+        max_batch_size=config.engine.max_batch_size,
+        precision=config.engine.precision,
+        **config.engine.options,
+    )
+    engine.warmup()
+    return engine
+
+
 def _images_in(items: list[_Queued]) -> int:
     return sum(len(item.pixels) for item in items)
 
@@ -227,14 +239,9 @@ class Inference:
         self._spec = model.spec
         self._mean = model.spec.preprocess.mean_array
         self._std = model.spec.preprocess.std_array
-        self._engine = create_engine(
-            config.engine.kind,
-            model,
-            max_batch_size=config.engine.max_batch_size,
-            precision=config.engine.precision,
-            **config.engine.options,
-        )
-        self._engine.warmup()
+        # Off the event loop: building and warming a GPU engine can take a minute, and in
+        # topology direct this loop is Serve's own (serve_app/app.py DIRECT_REPLICA_ENV).
+        self._engine = await asyncio.to_thread(_warm_engine, config, model)
         # The engine runs in its own threads so the replica's event loop keeps accepting
         # requests while a batch runs. A CPU engine already uses every core for one batch;
         # a GPU engine overlaps two (its slots). user_config's max_concurrent_batches changes it.
