@@ -95,10 +95,13 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         topology's samples under load: py-spy)."""
         exported = None
         while True:
-            if self.requests_in_flight != exported:
-                exported = self.requests_in_flight
-                self._metrics.in_flight.set(exported)
-            self._metrics.flush()
+            try:
+                if self.requests_in_flight != exported:
+                    exported = self.requests_in_flight
+                    self._metrics.in_flight.set(exported)
+                self._metrics.flush()
+            except Exception:  # a bug here must not stop the export for good
+                logger.exception("exporting metrics failed")
             await asyncio.sleep(1.0)
 
     def flush_metrics(self) -> None:

@@ -83,7 +83,8 @@ class IngressMetrics:
         for image_code in image_codes:
             pending[self.images, "code", image_code] += 1
         for stage, ms in stage_ms.items():
-            pending[self.stages, "stage", stage] += ms
+            if ms > 0:  # Ray's counters refuse increments of 0
+                pending[self.stages, "stage", stage] += ms
         self.total.observe(total_ms)
 
     def flush(self) -> None:
