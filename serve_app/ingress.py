@@ -13,6 +13,7 @@ and tokens) is the only place that imports grpc and turns errors into status cod
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -236,11 +237,12 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
 
     def _record(self, response: pb.ClassifyResponse, stream: str = "unary") -> None:
         t = response.timing
-        self._log(response, stream)
+        image_codes = collections.Counter(result.error.code for result in response.results)
+        self._log(response, stream, failed=len(response.results) - image_codes[0])
         ran = len(response.results) > 0
         self._metrics.record(
             code=_code_name(response.error.code),
-            image_codes=(_code_name(r.error.code) for r in response.results),
+            image_codes={_code_name(code): count for code, count in image_codes.items()},
             total_ms=t.total_ms,
             stage_ms={
                 "queue": t.queue_ms,
@@ -254,10 +256,9 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
 
     # -- RPCs -----------------------------------------------------------------------------
 
-    def _log(self, response: pb.ClassifyResponse, stream: str) -> None:
-        """One JSON line per request into the replica's Serve log: every failure, and
-        successes at `log_sample_rate`."""
-        failed = sum(1 for r in response.results if r.error.code)
+    def _log(self, response: pb.ClassifyResponse, stream: str, failed: int) -> None:
+        """One JSON line per request into the replica's Serve log: every failure (`failed`:
+        images that failed), and successes at `log_sample_rate`."""
         if not (response.error.code or failed or random.random() < self._log_sample_rate):
             return
         t = response.timing

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import collections
 import os
-from collections.abc import Iterable
+from collections.abc import Mapping
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
@@ -74,14 +74,19 @@ class IngressMetrics:
         self._pending: collections.Counter[tuple[Counter, str, str]] = collections.Counter()
 
     def record(
-        self, code: str, image_codes: Iterable[str], total_ms: float, stage_ms: dict[str, float]
+        self,
+        code: str,
+        image_codes: Mapping[str, int],
+        total_ms: float,
+        stage_ms: dict[str, float],
     ) -> None:
+        """One answered request: its code, its images' codes (code -> images), its times."""
         pending = self._pending
         pending[self.requests, "code", code] += 1
         if code in REJECTED_CODES and not stage_ms:
             pending[self.rejected, "code", code] += 1
-        for image_code in image_codes:
-            pending[self.images, "code", image_code] += 1
+        for image_code, count in image_codes.items():
+            pending[self.images, "code", image_code] += count
         for stage, ms in stage_ms.items():
             if ms > 0:  # Ray's counters refuse increments of 0
                 pending[self.stages, "stage", stage] += ms

@@ -36,15 +36,17 @@ def labels_for(logits: np.ndarray, k: int, names: Sequence[str]) -> list[tuple[L
     k = min(k, logits.shape[1])
     x = logits.astype(np.float32, copy=False)
     peak = x.max(axis=1, keepdims=True)
-    total = np.exp(x - peak).sum(axis=1, keepdims=True, dtype=np.float64)
+    total = np.exp(x - peak).sum(axis=1, dtype=np.float64)
+    if k == 1:  # the winner's exp(x - peak) is 1: its probability is 1 / total
+        return [
+            (Label(c, names[c], s),)
+            for c, s in zip(x.argmax(axis=1).tolist(), (1.0 / total).tolist(), strict=True)
+        ]
     rows = np.arange(n)[:, None]
-    if k == 1:
-        ids = x.argmax(axis=1)[:, None]
-    else:
-        part = np.argpartition(x, -k, axis=1)[:, -k:]
-        ids = part[rows, np.argsort(-x[rows, part], axis=1, kind="stable")]
-    scores = np.exp(x[rows, ids].astype(np.float64) - peak) / total
+    part = np.argpartition(x, -k, axis=1)[:, -k:]
+    ids = part[rows, np.argsort(-x[rows, part], axis=1, kind="stable")]
+    scores = np.exp(x[rows, ids].astype(np.float64) - peak) / total[:, None]
     return [
-        tuple(Label(c, names[c], s) for c, s in zip(row_ids, row_scores, strict=True))
+        tuple([Label(c, names[c], s) for c, s in zip(row_ids, row_scores, strict=True)])
         for row_ids, row_scores in zip(ids.tolist(), scores.tolist(), strict=True)
     ]

@@ -10,7 +10,7 @@ def test_flush_hands_ray_only_positive_increments() -> None:
     # a stage that took 0 ms (no decode for pixels) once made flush() raise every second.
     metrics = IngressMetrics()
     stages = {"queue": 0.0, "preprocess": 0.0, "compute": 1.5, "postprocess": 0.2}
-    metrics.record("OK", ["OK", "INVALID_ARGUMENT"], 3.0, stages)
-    metrics.record("RESOURCE_EXHAUSTED", [], 0.1, {})
+    metrics.record("OK", {"OK": 7, "INVALID_ARGUMENT": 1}, 3.0, stages)
+    metrics.record("RESOURCE_EXHAUSTED", {}, 0.1, {})
     metrics.flush()
     metrics.flush()  # nothing gathered: nothing to hand over
