@@ -6,9 +6,14 @@ raystream fused and direct with the echo engine on an `identity` model whose inp
 the tiny 8x8 PNGs are decoded but not resized, and (5) the plain server and raystream fused
 and direct on that model sent the 8x8 model input itself (`pixels`, no decode anywhere): the
 pure serving path, and (6) raystream's direct servicer on a plain grpc.aio server in this
-process (no Ray) on the same pixels. Every server answers one label per image (top_k 1).
-Prints images/s and the ratios to (1) and (2); the `pixels` rows also against the plain
-server on pixels.
+process of its own (no Ray) on the same pixels. Every server answers one label per image
+(top_k 1). Prints images/s and the ratios to (1) and (2); the `pixels` rows also against the
+plain server on pixels.
+
+Every server runs in a process of its own (the plain ones and the Ray-free servicer in a
+child process, raystream in its replicas), and every load comes from one more process
+without Ray, the same for all rows: the load generator shares no process, and no GIL, with
+any server or with a Ray driver.
 
     python bench/serving_overhead.py --streams 4 --in-flight 4 --batch-size 8 --duration 15
 
@@ -22,9 +27,10 @@ import argparse
 import asyncio
 import io
 import json
+import multiprocessing
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -80,15 +86,42 @@ def tiny_png() -> bytes:
     return buffer.getvalue()
 
 
-async def plain_server_rate(workload: Workload, decode: bool) -> dict:
-    server = grpc.aio.server()
-    pb_grpc.add_ImageClassifierServicer_to_server(PlainEcho(decode), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+def load_rate(address: str, workload: Workload) -> dict:
+    """`workload` against `address` from a fresh process (no Ray, no server in it)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_run_load, address, workload).result()
+
+
+def _run_load(address: str, workload: Workload) -> dict:
+    return vars(asyncio.run(run_load(address, workload)))
+
+
+def child_server_rate(workload: Workload, servicer: str, *args: object) -> dict:
+    """Serve `servicer` ("plain" or "direct") in a child process; load it from another."""
+    context = multiprocessing.get_context("spawn")
+    ports = context.SimpleQueue()
+    child = context.Process(target=_serve_forever, args=(ports, servicer, *args), daemon=True)
+    child.start()
     try:
-        return vars(await run_load(f"127.0.0.1:{port}", workload))
+        return load_rate(f"127.0.0.1:{ports.get()}", workload)
     finally:
-        await server.stop(0)
+        child.terminate()
+        child.join()
+
+
+def _serve_forever(ports, servicer: str, *args: object) -> None:
+    async def serve() -> None:
+        server = grpc.aio.server()
+        if servicer == "plain":
+            service = PlainEcho(*args)
+        else:
+            service = await direct_service(*args)
+        pb_grpc.add_ImageClassifierServicer_to_server(service, server)
+        ports.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
 
 
 async def direct_service(repository: Path, model: str, **extra: object):
@@ -104,20 +137,6 @@ async def direct_service(repository: Path, model: str, **extra: object):
     inference = await Inference.func_or_class.in_process(args)
     config = AppConfig.model_validate(args)
     return ClassifierService(config, inference.info(), LocalPipeline(config, inference))
-
-
-async def servicer_rate(workload: Workload, repository: Path, model: str) -> dict:
-    """`direct_service` on a plain grpc.aio server in this process, as the plain server
-    runs: no Ray at all. Between this and the plain server lies raystream's per-request
-    code; between this and `direct` on Ray Serve, the replica's process and Ray's."""
-    server = grpc.aio.server()
-    pb_grpc.add_ImageClassifierServicer_to_server(await direct_service(repository, model), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        return vars(await run_load(f"127.0.0.1:{port}", workload))
-    finally:
-        await server.stop(0)
 
 
 def identity_repository(source: Path, model: str = "efficientnet-lite0") -> Path:
@@ -153,7 +172,7 @@ def raystream_rate(
     handle = serve.run(app, name="raystream", route_prefix=None)
     port = handle.port.remote().result()
     try:
-        return vars(asyncio.run(run_load(f"127.0.0.1:{port}", workload)))
+        return load_rate(f"127.0.0.1:{port}", workload)
     finally:
         serve.delete("raystream")
 
@@ -180,14 +199,17 @@ def main() -> None:
     from ray import serve
 
     results = {
-        "plain grpc.aio": asyncio.run(plain_server_rate(workload, decode=False)),
-        "plain grpc.aio + same decode": asyncio.run(plain_server_rate(workload, decode=True)),
+        "plain grpc.aio": child_server_rate(workload, "plain", False),
+        "plain grpc.aio + same decode": child_server_rate(workload, "plain", True),
     }
     identity = identity_repository(args.repository)
     on_pixels = replace(workload, pixels=model_input(identity, "identity", workload.images))
-    results["plain grpc.aio, pixels"] = asyncio.run(plain_server_rate(on_pixels, decode=False))
-    results["direct servicer, no Ray, pixels"] = asyncio.run(
-        servicer_rate(on_pixels, identity, "identity")
+    results["plain grpc.aio, pixels"] = child_server_rate(on_pixels, "plain", False)
+    # raystream's direct servicer and pipeline without Ray: between this and the plain
+    # server lies raystream's per-request code; between this and `direct` on Ray Serve,
+    # the replica's process and Ray's.
+    results["direct servicer, no Ray, pixels"] = child_server_rate(
+        on_pixels, "direct", identity, "identity"
     )
     env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"} if args.same_thread else {}
     ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
