@@ -19,6 +19,8 @@
 #   E2 1 GPU : topology direct, 2 ingress replicas x 0.5 GPU, each with its own engine
 #   E4c 1 GPU: topology direct, 4 replicas x 0.25 GPU, engine compiled as in C4c
 #   E8c 1 GPU: topology direct, 8 replicas x 0.125 GPU, engine compiled
+#   E8s 1 GPU: E8c with raystream on a second event loop in a second thread, Serve's
+#              default (E8c runs it on Serve's own loop: serve_app/app.py DIRECT_REPLICA_ENV)
 # PROFILE="C4" samples one ingress and one inference replica of those variants with py-spy
 # (carry .whl with the py-spy wheel) and LATENCY="C4" adds, for those variants, open-loop
 # Poisson load at half the best saturated request rate and one-image requests one at a time;
@@ -107,6 +109,8 @@ for d in app["deployments"]:
         )
         if max_batch:
             d["user_config"]["max_batch_size"] = max_batch
+if os.environ.get("SEPARATE_THREAD"):  # raystream serve keeps a value the config sets
+    app["runtime_env"] = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}}
 yaml.safe_dump(config, open(f"/tmp/{name}.yaml", "w"))
 PY
   CUDA_VISIBLE_DEVICES=$visible raystream serve --config /tmp/$name.yaml ${SERVE_ARGS:-} \
@@ -167,6 +171,8 @@ for v in "$@"; do
       variant E4c 0 4 4 0.25 ;;
     E8c) SERVE_ARGS="--topology direct" ENGINE_OPTIONS='{"compile_min_batch": 32}' \
       variant E8c 0 8 8 0.125 ;;
+    E8s) SEPARATE_THREAD=1 SERVE_ARGS="--topology direct" \
+      ENGINE_OPTIONS='{"compile_min_batch": 32}' variant E8s 0 8 8 0.125 ;;
     S) REPLICA_CPUS=${REPLICA_CPUS:-0.25} variant S "" 2 1 0 ;;  # a CPU box: 2 logical CPUs
     *) echo "unknown variant $v" ;;
   esac
