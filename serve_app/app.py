@@ -15,7 +15,9 @@ from serve_app.stages import Inference, Postprocess, Preprocess
 # loop in a second thread (Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED does the same). The
 # gRPC server and Serve's replica machinery then stop contending for the GIL from two
 # threads: +25% requests/s on the CPU box (docs/benchmarks.md section 3). Safe here because
-# nothing in the direct replica blocks its loop (decode and engine run in executors).
+# nothing in the direct replica blocks its loop (decode and engine run in executors). A
+# config that sets the variable keeps its value: deploy/serve_config.gpu-direct.yaml keeps
+# Serve's default, which had the shorter tail on the H200 (docs/benchmarks.md section 2g).
 DIRECT_REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
