@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ray.serve import Application
@@ -15,9 +16,10 @@ from serve_app.stages import Inference, Postprocess, Preprocess
 # loop in a second thread (Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED does the same). The
 # gRPC server and Serve's replica machinery then stop contending for the GIL from two
 # threads: +25% requests/s on the CPU box (docs/benchmarks.md section 3). Safe here because
-# nothing in the direct replica blocks its loop (decode and engine run in executors). A
-# config that sets the variable keeps its value: deploy/serve_config.gpu-direct.yaml keeps
-# Serve's default, which had the shorter tail on the H200 (docs/benchmarks.md section 2g).
+# nothing in the direct replica blocks its loop (decode and engine run in executors). A value
+# already in the environment (a config's runtime_env, which the builder runs in) wins:
+# deploy/serve_config.gpu-direct.yaml keeps Serve's default, which had the shorter tail on
+# the H200 (docs/benchmarks.md section 2g).
 DIRECT_REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
@@ -27,10 +29,11 @@ def build_app(args: dict[str, Any]) -> Application:
     resolve(config.model_repository, config.model, config.model_version)
     shared = config.model_dump(mode="json")
     if config.topology == "direct":
-        # A config file's ray_actor_options replace these; `raystream serve` and the
-        # direct configs in deploy/ set the variable themselves.
-        env = {"runtime_env": {"env_vars": DIRECT_REPLICA_ENV}}
-        return Ingress.options(ray_actor_options={**Ingress.ray_actor_options, **env}).bind(shared)
+        # A config file's ray_actor_options replace these, and with them this runtime_env:
+        # `raystream serve` and the direct configs in deploy/ set the variable themselves.
+        env_vars = {name: os.environ.get(name, value) for name, value in DIRECT_REPLICA_ENV.items()}
+        options = {**Ingress.ray_actor_options, "runtime_env": {"env_vars": env_vars}}
+        return Ingress.options(ray_actor_options=options).bind(shared)
     if config.topology == "fused":
         return Ingress.bind(shared, Inference.bind(shared))
     return Ingress.bind(
