@@ -15,7 +15,7 @@ from serve_app.stages import Inference, Postprocess, Preprocess
 # Topology direct: the replica runs raystream on Serve's own event loop, not on a second
 # loop in a second thread (Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED does the same). The
 # gRPC server and Serve's replica machinery then stop contending for the GIL from two
-# threads: +25% requests/s on the CPU box (docs/benchmarks.md section 3). Safe here because
+# threads: +19-28% requests/s on the CPU box (docs/benchmarks.md section 3). Safe here because
 # nothing in the direct replica blocks its loop (decode and engine run in executors). A value
 # already in the environment (a config's runtime_env, which the builder runs in) wins:
 # deploy/serve_config.gpu-direct.yaml keeps Serve's default, which had the shorter tail on
