@@ -17,8 +17,10 @@ any server or with a Ray driver.
 
     python bench/serving_overhead.py --streams 4 --in-flight 4 --batch-size 8 --duration 15
 
-With --same-thread, Serve runs replica code on the replica's event loop thread
-(RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0) instead of a separate one.
+With --same-thread, Serve runs every replica's code on the replica's event loop thread
+(RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0) instead of a separate one. Topology direct does
+so anyway (serve_app/app.py DIRECT_REPLICA_ENV); RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=1
+in this script's environment puts it back on a separate thread.
 """
 
 from __future__ import annotations
