@@ -59,7 +59,9 @@ async def _classify(args: argparse.Namespace) -> int:
         total=len(paths), unit="img", disable=not sys.stderr.isatty() or args.json, file=sys.stderr
     )
     rows = []
-    async with Client(args.server, timeout=args.timeout, **_connection(args)) as client:
+    async with Client(
+        args.server, connections=args.connections, timeout=args.timeout, **_connection(args)
+    ) as client:
         async for result in client.classify(paths, batch_size=args.batch_size, top_k=args.top_k):
             progress.update(1)
             failed += not result.ok
@@ -149,6 +151,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         unary=args.unary,
         top_k=args.top_k,
         connections=args.connections,
+        spread=args.spread,
         pixels=loadgen.model_input(args.repository, args.model, images) if args.pixels else None,
     )
     if args.sweep:
@@ -286,6 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16, help="images per request")
     p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     p.add_argument("--timeout", type=float, default=None, help="stream deadline in seconds")
+    p.add_argument(
+        "--connections",
+        type=int,
+        default=1,
+        help="spread the stream over up to this many connections, each on another ingress "
+        "replica (topology direct with several replicas)",
+    )
     _add_connection_options(p)
     p.set_defaults(func=cmd_classify)
 
@@ -342,6 +352,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="spread the streams over this many TCP connections (several ingress replicas)",
+    )
+    p.add_argument(
+        "--spread",
+        action="store_true",
+        help="each stream sends over all of its process' --connections (one logical stream "
+        "reaching several direct replicas) instead of keeping to one",
     )
     p.add_argument(
         "--processes",

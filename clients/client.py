@@ -7,12 +7,17 @@
 `classify` sends everything over ONE bidirectional stream, in requests of `batch_size`
 images, keeping up to `max_in_flight` requests outstanding; results arrive per image in
 completion order, each carrying the key it was sent with.
+
+`Client(address, connections=N)` opens N connections, each on another ingress replica
+where several share the port (topology `direct`: a replica serves only the connections the
+kernel hands it), and spreads that one logical stream's requests over them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass
@@ -20,10 +25,14 @@ from pathlib import Path
 
 import grpc
 
+from clients.spread import as_async, error_response, spread
 from raystream.v1 import classifier_pb2 as pb
 from raystream.v1 import classifier_pb2_grpc as pb_grpc
 
 REPLICA_METADATA = "raystream-replica"  # serve_app/ingress.py sets it on GetModelInfo
+# New connections dialed per ingress replica sought: the kernel hashes each connection to
+# one of R replicas sharing the port, so 8R dials all miss a given one with a chance < 0.04%.
+DIALS_PER_REPLICA = 8
 
 __all__ = ["Client", "ImageResult", "Label", "status_name"]
 
@@ -71,17 +80,26 @@ class Client:
         self,
         address: str = "127.0.0.1:9000",
         *,
+        connections: int = 1,
         timeout: float | None = None,
+        connect_timeout: float = 30.0,
         max_message_bytes: int = 64 * 1024 * 1024,
         token: str | None = None,
         tls_ca: str | Path | None = None,
         tls_cert: str | Path | None = None,
         tls_key: str | Path | None = None,
     ) -> None:
-        """`token`: sent as `authorization: Bearer <token>`. `tls_ca`: connect with TLS,
-        trusting this CA (PEM file); `tls_cert`/`tls_key`: a client certificate (mTLS)."""
+        """`connections`: above 1, open up to that many connections, each on another ingress
+        replica (waiting up to `connect_timeout` for the server), and spread `stream` and
+        `classify` over them. `token`: sent as `authorization: Bearer <token>`. `tls_ca`:
+        connect with TLS, trusting this CA (PEM file); `tls_cert`/`tls_key`: a client
+        certificate (mTLS)."""
+        if connections < 1:
+            raise ValueError(f"connections must be at least 1, got {connections}")
         self.address = address
+        self._wanted = connections
         self._timeout = timeout
+        self._connect_timeout = connect_timeout
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._credentials = None
         if tls_ca or tls_cert:
@@ -94,29 +112,66 @@ class Client:
         self._options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
-            # one connection per Client, even to the same address (load generator)
+            # a connection of its own per channel, even to the same address
             ("grpc.use_local_subchannel_pool", 1),
         ]
-        self._channel: grpc.aio.Channel | None = None
+        self._channels: list[grpc.aio.Channel] = []
+        self._stubs: list[pb_grpc.ImageClassifierStub] = []
+        self._replicas: list[str] = []  # each connection's ingress replica, once known
         self._ids = itertools.count()
 
     async def __aenter__(self) -> Client:
-        if self._credentials is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
+        if self._wanted == 1:
+            self._open_channel()
         else:
-            self._channel = grpc.aio.secure_channel(
-                self.address, self._credentials, options=self._options
-            )
-        self.stub = pb_grpc.ImageClassifierStub(self._channel)
+            try:
+                await self._open_spread()
+            except BaseException:
+                await self.close()
+                raise
+        self.stub = self._stubs[0]
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
+        channels, self._channels, self._stubs, self._replicas = self._channels, [], [], []
+        for channel in channels:
+            await channel.close()
+
+    def _open_channel(self) -> pb_grpc.ImageClassifierStub:
+        if self._credentials is None:
+            channel = grpc.aio.insecure_channel(self.address, options=self._options)
+        else:
+            channel = grpc.aio.secure_channel(
+                self.address, self._credentials, options=self._options
+            )
+        self._channels.append(channel)
+        self._stubs.append(pb_grpc.ImageClassifierStub(channel))
+        return self._stubs[-1]
+
+    async def _open_spread(self) -> None:
+        """Up to `connections` connections on distinct ingress replicas: each new one asks
+        where it landed and is kept only if that replica is new (kept as well when the
+        server does not say)."""
+        seen: set[str] = set()
+        for _ in range(DIALS_PER_REPLICA * self._wanted):
+            stub = self._open_channel()
+            replica = await self._replica_of(stub, wait_for_ready=True)
+            if replica and replica in seen:
+                await self._channels.pop().close()
+                self._stubs.pop()
+                continue
+            seen.add(replica)
+            self._replicas.append(replica)
+            if len(self._stubs) == self._wanted:
+                return
+
+    @property
+    def connections(self) -> int:
+        """Connections open (fewer than asked when the server has fewer ingress replicas)."""
+        return len(self._stubs)
 
     async def wait_ready(self, timeout: float = 60.0) -> pb.ModelInfo:
         """Poll GetModelInfo until the server answers (readiness), or raise TimeoutError."""
@@ -140,10 +195,25 @@ class Client:
         )
 
     async def replica(self) -> str:
-        """The ingress replica this connection landed on ("" from a server that does not say).
-        Replicas share one port and the kernel hashes each connection to one of them."""
-        call = self.stub.GetModelInfo(
-            pb.ModelInfoRequest(), timeout=self._timeout, metadata=self._metadata
+        """The ingress replica this (first) connection landed on ("" from a server that
+        does not say). Replicas share one port and the kernel hashes each connection to
+        one of them."""
+        return self._replicas[0] if self._replicas else await self._replica_of(self.stub)
+
+    async def replicas(self) -> list[str]:
+        """The ingress replica of each connection, in order."""
+        if len(self._replicas) < len(self._stubs):
+            self._replicas = [await self._replica_of(stub) for stub in self._stubs]
+        return list(self._replicas)
+
+    async def _replica_of(
+        self, stub: pb_grpc.ImageClassifierStub, wait_for_ready: bool = False
+    ) -> str:
+        call = stub.GetModelInfo(
+            pb.ModelInfoRequest(),
+            timeout=self._connect_timeout if wait_for_ready else self._timeout,
+            metadata=self._metadata,
+            wait_for_ready=wait_for_ready,
         )
         await call
         trailing = await call.trailing_metadata()
@@ -152,7 +222,7 @@ class Client:
     async def classify_once(
         self, images: list[bytes] | pb.ClassifyRequest, *, top_k: int = 5, model: str = ""
     ) -> pb.ClassifyResponse:
-        """Unary call on `images` (or on a ready-made request)."""
+        """Unary call on `images` (or on a ready-made request), on the first connection."""
         request = (
             images
             if isinstance(images, pb.ClassifyRequest)
@@ -170,22 +240,29 @@ class Client:
         Every request sent gets exactly one response. If the stream itself fails (the server
         shuts down, a message is over the size limit, the connection drops), each request
         still unanswered gets a response carrying the stream's status code and message,
-        and then the stream's error (grpc.aio.AioRpcError) is raised."""
-        unanswered: collections.Counter[str] = collections.Counter()
-        call = self.stub.Classify(timeout=self._timeout, metadata=self._metadata)
+        and then the stream's error (grpc.aio.AioRpcError) is raised. Over several
+        connections, see clients/spread.py."""
+        if len(self._stubs) == 1:
+            responses = self._stream_on(self.stub, requests)
+        else:
+            streams = [functools.partial(self._stream_on, stub) for stub in self._stubs]
+            responses = spread(streams, requests)
+        async for response in responses:
+            yield response
 
-        async def send(request: pb.ClassifyRequest) -> None:
-            unanswered[request.request_id] += 1  # counted before it can fail to go out
-            await call.write(request)
+    async def _stream_on(
+        self,
+        stub: pb_grpc.ImageClassifierStub,
+        requests: AsyncIterable[pb.ClassifyRequest] | Iterable[pb.ClassifyRequest],
+    ) -> AsyncIterator[pb.ClassifyResponse]:
+        unanswered: collections.Counter[str] = collections.Counter()
+        call = stub.Classify(timeout=self._timeout, metadata=self._metadata)
 
         async def send_all() -> None:
             try:
-                if isinstance(requests, AsyncIterable):
-                    async for request in requests:
-                        await send(request)
-                else:
-                    for request in requests:
-                        await send(request)
+                async for request in as_async(requests):
+                    unanswered[request.request_id] += 1  # counted before it can fail to go out
+                    await call.write(request)
                 await call.done_writing()
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 pass  # the call ended; reading the responses says why
@@ -200,13 +277,10 @@ class Client:
         except grpc.aio.AioRpcError as exc:
             sender.cancel()
             await asyncio.gather(sender, return_exceptions=True)
-            code = exc.code().value[0]
             message = f"the stream ended before this request was answered: {exc.details()}"
             for request_id, count in unanswered.items():
                 for _ in range(count):
-                    yield pb.ClassifyResponse(
-                        request_id=request_id, error=pb.Error(code=code, message=message)
-                    )
+                    yield error_response(request_id, exc.code(), message)
             raise
         finally:
             sender.cancel()

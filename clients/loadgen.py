@@ -24,11 +24,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from clients.client import Client, status_name
+from clients.client import DIALS_PER_REPLICA, Client, status_name
 from raystream.v1 import classifier_pb2 as pb
 
 PERCENTILES = (50, 90, 95, 99)
-DIALS_PER_REPLICA = 8  # new connections tried per ingress replica sought (1 in R lands on it)
 
 
 @dataclass(frozen=True)
@@ -45,6 +44,10 @@ class Workload:
     # TCP connections the streams are spread over; above 1, each goes to another ingress
     # replica in turn (see find_replicas), as many as there are up to this number.
     connections: int = 1
+    # Each stream spreads its requests over all of its process' connections (one
+    # Client(connections=N)) instead of keeping to one: one long-lived stream reaching
+    # several `direct` replicas.
+    spread: bool = False
     # Send the model input instead of the images: float32 (N, C, H, W) rows, cycled through
     # (model_input makes them from the images), as a client that preprocesses itself does.
     pixels: np.ndarray | None = field(default=None, compare=False)
@@ -308,15 +311,17 @@ async def _record_load(
     connection n goes to replicas[n % len(replicas)] (anywhere if `replicas` is empty)."""
     first_stream, first_connection = firsts
     recorder = _Recorder()
-    # 1 in R dials lands on a given one of R replicas: all 8R dials miss it with a chance
-    # of (1 - 1/R)^(8R) < 0.04%.
     dials = DIALS_PER_REPLICA * max(1, len(replicas))
     async with contextlib.AsyncExitStack() as stack:
         clients = []
-        for n in range(first_connection, first_connection + workload.connections):
-            replica = replicas[n % len(replicas)] if replicas else None
-            clients.append(await _connect(address, replica, dials, client_options))
-            stack.push_async_callback(clients[-1].close)
+        if workload.spread:  # one client over this process' connections, each stream on all
+            pool = Client(address, connections=workload.connections, **client_options)
+            clients.append(await stack.enter_async_context(pool))
+        else:
+            for n in range(first_connection, first_connection + workload.connections):
+                replica = replicas[n % len(replicas)] if replicas else None
+                clients.append(await _connect(address, replica, dials, client_options))
+                stack.push_async_callback(clients[-1].close)
         if start_at is not None:
             await asyncio.sleep(max(0.0, start_at - time.time()))
         start = time.perf_counter()

@@ -60,14 +60,14 @@ def ray_cluster():
         include_dashboard=False,
         log_to_driver=False,
         runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}},
-        _metrics_export_port=_free_port(),
+        _metrics_export_port=free_port(),
         _system_config={"metrics_report_interval_ms": 1000},  # metrics tests poll briefly
     )
     yield
     ray.shutdown()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -17,7 +17,7 @@ import pytest
 from clients.client import Client
 from raystream.v1 import classifier_pb2 as pb
 
-from conftest import _free_port
+from conftest import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +78,7 @@ def _inference():
 
 @pytest.fixture(scope="module")
 def port(ray_cluster, model_repository) -> int:
-    port = _free_port()
+    port = free_port()
     _deploy(model_repository, port, max_batch_size=8, log_sample_rate=0.0)
     return port
 

@@ -1,0 +1,156 @@
+"""One logical bidi stream over several connections (`Client(address, connections=N)`).
+
+Topology `direct` serves each connection in the one ingress replica the kernel hashed it
+to, so a client with one long-lived stream reaches one replica. Spreading that stream's
+requests over streams on connections to different replicas reaches all of them, with the
+same contract as one stream: every request gets exactly one response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from typing import Any
+
+import grpc
+
+from raystream.v1 import classifier_pb2 as pb
+
+Requests = AsyncIterable[pb.ClassifyRequest] | Iterable[pb.ClassifyRequest]
+# One connection's stream: requests in, responses out (Client._stream_on on one channel).
+StreamFn = Callable[[AsyncIterable[pb.ClassifyRequest]], AsyncIterator[pb.ClassifyResponse]]
+
+_LANE_DONE = object()
+
+
+async def as_async(items: AsyncIterable[Any] | Iterable[Any]) -> AsyncIterator[Any]:
+    if isinstance(items, AsyncIterable):
+        async for item in items:
+            yield item
+    else:
+        for item in items:
+            yield item
+
+
+def error_response(request_id: str, code: grpc.StatusCode, message: str) -> pb.ClassifyResponse:
+    """The response of a request that a failed stream can no longer answer."""
+    return pb.ClassifyResponse(
+        request_id=request_id, error=pb.Error(code=code.value[0], message=message)
+    )
+
+
+class _Lane:
+    """One connection's share of the spread stream."""
+
+    def __init__(self, stream: StreamFn) -> None:
+        self.stream = stream
+        self.queued: collections.deque[pb.ClassifyRequest] = collections.deque()
+        self.wake = asyncio.Event()
+        self.unanswered = 0  # given to this lane, not yet answered
+        self.open = True  # takes requests: its stream neither failed nor finished writing
+
+
+async def spread(streams: list[StreamFn], requests: Requests) -> AsyncIterator[pb.ClassifyResponse]:
+    """Send `requests` over `streams`, yielding every response in completion order.
+
+    Each request goes to the stream with the fewest requests unanswered (a slower replica
+    gets fewer; ties take turns). A stream that fails answers its own unanswered requests
+    with its status, as one stream does, and leaves; the requests queued for it and not yet
+    sent go to the others, or are answered with that status when none is left. Once every
+    request is answered, the first failure is raised, as one stream raises its own."""
+    lanes = [_Lane(stream) for stream in streams]
+    responses: asyncio.Queue = asyncio.Queue()
+    # Backpressure, as one stream's write gives: at most one request per lane taken from
+    # `requests` and not yet written.
+    slots = asyncio.Semaphore(len(lanes))
+    failures: list[grpc.aio.AioRpcError] = []
+    turn = 0
+    input_done = False
+
+    def dispatch(request: pb.ClassifyRequest) -> None:
+        nonlocal turn
+        candidates = [i for i, lane in enumerate(lanes) if lane.open]
+        if not candidates:  # every stream failed (or ended early): nowhere to send it
+            slots.release()
+            code, why = (
+                (failures[0].code(), failures[0].details())
+                if failures
+                else (grpc.StatusCode.UNAVAILABLE, "the streams ended")
+            )
+            message = f"no connection left to send this request on: {why}"
+            responses.put_nowait(error_response(request.request_id, code, message))
+            return
+        index = min(candidates, key=lambda i: (lanes[i].unanswered, (i - turn) % len(lanes)))
+        turn = index + 1
+        lane = lanes[index]
+        lane.unanswered += 1
+        lane.queued.append(request)
+        lane.wake.set()
+
+    async def outbox(lane: _Lane) -> AsyncIterator[pb.ClassifyRequest]:
+        while True:
+            while lane.queued:
+                slots.release()
+                yield lane.queued.popleft()
+            if input_done:
+                lane.open = False
+                return
+            lane.wake.clear()
+            await lane.wake.wait()
+
+    async def run(lane: _Lane) -> None:
+        try:
+            async for response in lane.stream(outbox(lane)):
+                lane.unanswered -= 1
+                responses.put_nowait(response)
+        except grpc.aio.AioRpcError as exc:
+            failures.append(exc)
+        finally:
+            lane.open = False
+            while lane.queued:  # never sent: safe to send on another connection
+                dispatch(lane.queued.popleft())
+            responses.put_nowait(_LANE_DONE)
+
+    async def feed() -> None:
+        nonlocal input_done
+        try:
+            iterator = aiter(as_async(requests))
+            while True:
+                await slots.acquire()
+                if not any(lane.open for lane in lanes):
+                    return
+                try:
+                    request = await anext(iterator)
+                except StopAsyncIteration:
+                    return
+                dispatch(request)
+        finally:
+            input_done = True
+            for lane in lanes:
+                lane.wake.set()
+
+    feeder = asyncio.create_task(feed())
+    runners = [asyncio.create_task(run(lane)) for lane in lanes]
+    try:
+        finished = 0
+        while finished < len(lanes):
+            response = await responses.get()
+            if response is _LANE_DONE:
+                finished += 1
+            else:
+                yield response
+        # Every stream has ended: stop taking requests (they all failed), then yield what
+        # was answered meanwhile.
+        feeder.cancel()
+        await asyncio.gather(feeder, return_exceptions=True)
+        while not responses.empty():
+            yield responses.get_nowait()
+        if not feeder.cancelled() and feeder.exception() is not None:
+            raise feeder.exception()  # the caller's own request iterator failed
+        if failures:
+            raise failures[0]
+    finally:
+        for task in (feeder, *runners):
+            task.cancel()
+        await asyncio.gather(feeder, *runners, return_exceptions=True)
