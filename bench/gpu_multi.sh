@@ -26,6 +26,9 @@
 # Poisson load at half the best saturated request rate and one-image requests one at a time;
 # HALF_BATCHES="8 1" adds open-loop loads of 5,000 img/s (half of issue 5's 10,000) in
 # requests of that many images.
+# ONE_STREAM="E8c C4c" adds, for those variants, one stream from one process (16 requests
+# of 32 in flight), as a client with one long-lived stream sends; for topology direct, also
+# that stream spread over a connection to each ingress replica (`raystream bench --spread`).
 # IN_FLIGHT="4 8": the closed-loop loads (requests in flight per stream) each variant runs.
 # The table's gpu% is each busy GPU's mean utilization (nvidia-smi, every 0.5 s) during the
 # load. Logs go to $LOGS (default $OUT/logs); the table is printed last.
@@ -143,6 +146,11 @@ PY
           --batch-size "$b" --duration "$DURATION" --connections "$ingress"
       done
       PROCS=1 bench "$name-low" --streams 1 --in-flight 1 --batch-size 1 --duration 10
+    fi
+    if [[ " ${ONE_STREAM:-} " == *" $name "* ]]; then
+      PROCS=1 bench "$name-one" --streams 1 --in-flight 16 --duration "$DURATION"
+      [[ "${SERVE_ARGS:-}" == *direct* ]] && PROCS=1 bench "$name-spread" --streams 1 \
+        --in-flight 16 --duration "$DURATION" --connections "$ingress" --spread
     fi
   else
     echo "$name did not start"; tail -40 "$LOGS/$name.serve.log"
