@@ -90,7 +90,8 @@ class Client:
         tls_key: str | Path | None = None,
     ) -> None:
         """`connections`: above 1, open up to that many connections, each on another ingress
-        replica (waiting up to `connect_timeout` for the server), and spread `stream` and
+        replica (each dial's GetModelInfo bounded by `connect_timeout`; a server that is
+        down fails the first at once with UNAVAILABLE), and spread `stream` and
         `classify` over them. `token`: sent as `authorization: Bearer <token>`. `tls_ca`:
         connect with TLS, trusting this CA (PEM file); `tls_cert`/`tls_key`: a client
         certificate (mTLS)."""
@@ -154,15 +155,21 @@ class Client:
     async def _open_spread(self) -> None:
         """Up to `connections` connections on distinct ingress replicas: each new one asks
         where it landed and is kept only if that replica is new (kept as well when the
-        server does not say)."""
+        server does not say). Dialing stops early once 8 per replica found in a row found
+        no new one (a server with fewer replicas than asked)."""
         seen: set[str] = set()
+        misses = 0
         for _ in range(DIALS_PER_REPLICA * self._wanted):
             stub = self._open_channel()
-            replica = await self._replica_of(stub, wait_for_ready=True)
+            replica = await self._replica_of(stub, self._connect_timeout)
             if replica and replica in seen:
                 await self._channels.pop().close()
                 self._stubs.pop()
+                misses += 1
+                if misses >= DIALS_PER_REPLICA * len(seen):
+                    return
                 continue
+            misses = 0
             seen.add(replica)
             self._replicas.append(replica)
             if len(self._stubs) == self._wanted:
@@ -198,23 +205,18 @@ class Client:
         """The ingress replica this (first) connection landed on ("" from a server that
         does not say). Replicas share one port and the kernel hashes each connection to
         one of them."""
-        return self._replicas[0] if self._replicas else await self._replica_of(self.stub)
+        if self._replicas:
+            return self._replicas[0]
+        return await self._replica_of(self.stub, self._timeout)
 
     async def replicas(self) -> list[str]:
         """The ingress replica of each connection, in order."""
         if len(self._replicas) < len(self._stubs):
-            self._replicas = [await self._replica_of(stub) for stub in self._stubs]
+            self._replicas = [await self._replica_of(stub, self._timeout) for stub in self._stubs]
         return list(self._replicas)
 
-    async def _replica_of(
-        self, stub: pb_grpc.ImageClassifierStub, wait_for_ready: bool = False
-    ) -> str:
-        call = stub.GetModelInfo(
-            pb.ModelInfoRequest(),
-            timeout=self._connect_timeout if wait_for_ready else self._timeout,
-            metadata=self._metadata,
-            wait_for_ready=wait_for_ready,
-        )
+    async def _replica_of(self, stub: pb_grpc.ImageClassifierStub, timeout: float | None) -> str:
+        call = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=timeout, metadata=self._metadata)
         await call
         trailing = await call.trailing_metadata()
         return next((value for key, value in trailing or () if key == REPLICA_METADATA), "")

@@ -77,6 +77,15 @@ async def test_one_stream_reaches_every_replica_sharing_the_port() -> None:
         await asyncio.gather(*(server.stop(None) for server in servers))
 
 
+async def test_a_server_that_is_down_fails_the_connect_at_once() -> None:
+    start = asyncio.get_running_loop().time()
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        async with Client(f"127.0.0.1:{free_port()}", connections=2, connect_timeout=20):
+            pass
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert asyncio.get_running_loop().time() - start < 10  # not the connect timeout
+
+
 async def test_a_failing_replica_answers_its_own_requests_and_the_rest_go_on() -> None:
     """Replica a aborts its stream on its third request: the requests it had are answered
     with UNAVAILABLE, every other request is answered by b, and the stream's error is
