@@ -10,7 +10,8 @@ completion order, each carrying the key it was sent with.
 
 `Client(address, connections=N)` opens N connections, each on another ingress replica
 where several share the port (topology `direct`: a replica serves only the connections the
-kernel hands it), and spreads that one logical stream's requests over them.
+kernel hands it), and spreads that one logical stream's requests over them; a connection
+whose replica goes away is replaced by a new one (clients/spread.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import grpc
 
-from clients.spread import as_async, error_response, spread
+from clients.spread import StreamFn, as_async, error_response, spread
 from raystream.v1 import classifier_pb2 as pb
 from raystream.v1 import classifier_pb2_grpc as pb_grpc
 
@@ -123,7 +124,8 @@ class Client:
 
     async def __aenter__(self) -> Client:
         if self._wanted == 1:
-            self._open_channel()
+            self._channels.append(self._channel())
+            self._stubs.append(pb_grpc.ImageClassifierStub(self._channels[-1]))
         else:
             try:
                 await self._open_spread()
@@ -141,39 +143,53 @@ class Client:
         for channel in channels:
             await channel.close()
 
-    def _open_channel(self) -> pb_grpc.ImageClassifierStub:
+    def _channel(self) -> grpc.aio.Channel:
         if self._credentials is None:
-            channel = grpc.aio.insecure_channel(self.address, options=self._options)
-        else:
-            channel = grpc.aio.secure_channel(
-                self.address, self._credentials, options=self._options
-            )
-        self._channels.append(channel)
-        self._stubs.append(pb_grpc.ImageClassifierStub(channel))
-        return self._stubs[-1]
+            return grpc.aio.insecure_channel(self.address, options=self._options)
+        return grpc.aio.secure_channel(self.address, self._credentials, options=self._options)
+
+    async def _dial(self, avoid: set[str], dials: int) -> tuple[grpc.aio.Channel, str]:
+        """A new connection on a replica not in `avoid` if `dials` dials find one (else on
+        the last one dialed), with the replica it landed on ("" if the server does not say,
+        which is never avoided)."""
+        for dial in range(1, dials + 1):
+            channel = self._channel()
+            stub = pb_grpc.ImageClassifierStub(channel)
+            try:
+                replica = await self._replica_of(stub, self._connect_timeout)
+            except BaseException:
+                await channel.close()
+                raise
+            if not replica or replica not in avoid or dial == dials:
+                return channel, replica
+            await channel.close()
+        raise ValueError("dials must be at least 1")
 
     async def _open_spread(self) -> None:
-        """Up to `connections` connections on distinct ingress replicas: each new one asks
-        where it landed and is kept only if that replica is new (kept as well when the
-        server does not say). Dialing stops early once 8 per replica found in a row found
-        no new one (a server with fewer replicas than asked)."""
-        seen: set[str] = set()
-        misses = 0
-        for _ in range(DIALS_PER_REPLICA * self._wanted):
-            stub = self._open_channel()
-            replica = await self._replica_of(stub, self._connect_timeout)
+        """Up to `connections` connections on distinct ingress replicas. Dialing stops once
+        8 dials per replica found, in a row, found no new one (fewer replicas than asked)."""
+        while len(self._channels) < self._wanted:
+            seen = set(self._replicas)
+            channel, replica = await self._dial(seen, DIALS_PER_REPLICA * max(1, len(seen)))
             if replica and replica in seen:
-                await self._channels.pop().close()
-                self._stubs.pop()
-                misses += 1
-                if misses >= DIALS_PER_REPLICA * len(seen):
-                    return
-                continue
-            misses = 0
-            seen.add(replica)
-            self._replicas.append(replica)
-            if len(self._stubs) == self._wanted:
+                await channel.close()
                 return
+            self._channels.append(channel)
+            self._stubs.append(pb_grpc.ImageClassifierStub(channel))
+            self._replicas.append(replica)
+
+    async def _reopen(self, index: int) -> StreamFn:
+        """A stream on a new connection in place of connection `index`, whose stream failed
+        (clients/spread.py): on a replica that no other connection is on, if 8 dials find
+        one (the replica that failed, if it is only restarting, counts as free)."""
+        others = set(self._replicas[:index] + self._replicas[index + 1 :])
+        channel, replica = await self._dial(others, DIALS_PER_REPLICA)
+        old = self._channels[index]
+        self._channels[index] = channel
+        self._stubs[index] = pb_grpc.ImageClassifierStub(channel)
+        self._replicas[index] = replica
+        await old.close()
+        return functools.partial(self._stream_on, self._stubs[index])
 
     @property
     def connections(self) -> int:
@@ -248,7 +264,7 @@ class Client:
             responses = self._stream_on(self.stub, requests)
         else:
             streams = [functools.partial(self._stream_on, stub) for stub in self._stubs]
-            responses = spread(streams, requests)
+            responses = spread(streams, requests, self._reopen)
         async for response in responses:
             yield response
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -20,6 +20,14 @@ from raystream.v1 import classifier_pb2 as pb
 Requests = AsyncIterable[pb.ClassifyRequest] | Iterable[pb.ClassifyRequest]
 # One connection's stream: requests in, responses out (Client._stream_on on one channel).
 StreamFn = Callable[[AsyncIterable[pb.ClassifyRequest]], AsyncIterator[pb.ClassifyResponse]]
+# A stream on a new connection in place of connection i, whose stream failed.
+Reopen = Callable[[int], Awaitable[StreamFn]]
+
+# Failures after which a lane opens a new connection: a replica going away (drained,
+# restarted, redeployed) ends its streams with UNAVAILABLE, and grpcio's aio client can
+# report that as INTERNAL "Internal error from Core" when a write races it (grpc/grpc#36066).
+REOPEN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL})
+MAX_REOPENS = 3  # in a row, with no request answered OK in between
 
 _LANE_DONE = object()
 
@@ -49,16 +57,22 @@ class _Lane:
         self.wake = asyncio.Event()
         self.unanswered = 0  # given to this lane, not yet answered
         self.open = True  # takes requests: its stream neither failed nor finished writing
+        self.reopening = False  # connecting anew: takes requests only when no lane else does
 
 
-async def spread(streams: list[StreamFn], requests: Requests) -> AsyncIterator[pb.ClassifyResponse]:
+async def spread(
+    streams: list[StreamFn], requests: Requests, reopen: Reopen | None = None
+) -> AsyncIterator[pb.ClassifyResponse]:
     """Send `requests` over `streams`, yielding every response in completion order.
 
     Each request goes to the stream with the fewest requests unanswered (a slower replica
     gets fewer; ties take turns). A stream that fails answers its own unanswered requests
-    with its status, as one stream does, and leaves; the requests queued for it and not yet
-    sent go to the others, or are answered with that status when none is left. Once every
-    request is answered, the first failure is raised, as one stream raises its own."""
+    with its status, as one stream does. With `reopen`, a stream that failed with one of
+    REOPEN_CODES is replaced by one on a new connection, so the spread stream outlives its
+    replicas (a rolling redeploy); otherwise, or after MAX_REOPENS failures in a row, the
+    lane leaves: the requests queued for it and not yet sent go to the others, or are
+    answered with its status when none is left. Once every request is answered, the first
+    failure of a lane that left is raised, as one stream raises its own."""
     lanes = [_Lane(stream) for stream in streams]
     responses: asyncio.Queue = asyncio.Queue()
     # Backpressure, as one stream's write gives: at most one request per lane taken from
@@ -81,7 +95,10 @@ async def spread(streams: list[StreamFn], requests: Requests) -> AsyncIterator[p
             message = f"no connection left to send this request on: {why}"
             responses.put_nowait(error_response(request.request_id, code, message))
             return
-        index = min(candidates, key=lambda i: (lanes[i].unanswered, (i - turn) % len(lanes)))
+        index = min(
+            candidates,
+            key=lambda i: (lanes[i].reopening, lanes[i].unanswered, (i - turn) % len(lanes)),
+        )
         turn = index + 1
         lane = lanes[index]
         lane.unanswered += 1
@@ -99,13 +116,36 @@ async def spread(streams: list[StreamFn], requests: Requests) -> AsyncIterator[p
             lane.wake.clear()
             await lane.wake.wait()
 
-    async def run(lane: _Lane) -> None:
+    async def run(index: int, lane: _Lane) -> None:
+        failed_in_a_row = 0
         try:
-            async for response in lane.stream(outbox(lane)):
-                lane.unanswered -= 1
-                responses.put_nowait(response)
-        except grpc.aio.AioRpcError as exc:
-            failures.append(exc)
+            while True:
+                try:
+                    async for response in lane.stream(outbox(lane)):
+                        lane.unanswered -= 1
+                        if not response.error.code:
+                            failed_in_a_row = 0
+                        responses.put_nowait(response)
+                    return
+                except grpc.aio.AioRpcError as exc:
+                    failed_in_a_row += 1
+                    if (
+                        reopen is None
+                        or exc.code() not in REOPEN_CODES
+                        or failed_in_a_row > MAX_REOPENS
+                    ):
+                        failures.append(exc)
+                        return
+                    if input_done and not lane.queued:
+                        return  # nothing left to send: no new connection needed
+                    lane.reopening = True
+                    try:
+                        lane.stream = await reopen(index)
+                    except grpc.aio.AioRpcError:
+                        failures.append(exc)
+                        return
+                    finally:
+                        lane.reopening = False
         finally:
             lane.open = False
             while lane.queued:  # never sent: safe to send on another connection
@@ -131,7 +171,7 @@ async def spread(streams: list[StreamFn], requests: Requests) -> AsyncIterator[p
                 lane.wake.set()
 
     feeder = asyncio.create_task(feed())
-    runners = [asyncio.create_task(run(lane)) for lane in lanes]
+    runners = [asyncio.create_task(run(i, lane)) for i, lane in enumerate(lanes)]
     try:
         finished = 0
         while finished < len(lanes):

@@ -22,8 +22,9 @@ from conftest import free_port
 
 
 class NamedReplica(pb_grpc.ImageClassifierServicer):
-    """Answers every request with one label: its own name. With `fail_after`, aborts its
-    stream with UNAVAILABLE on receiving that many requests, answering none of the last."""
+    """Answers every request with one label: its own name. With `fail_after`, aborts the
+    stream on which it receives its that-many-th request with UNAVAILABLE (once, as a
+    replica that restarts), answering none of the last."""
 
     def __init__(self, name: str, fail_after: int | None = None) -> None:
         self.name, self.fail_after, self.received = name, fail_after, 0
@@ -35,7 +36,7 @@ class NamedReplica(pb_grpc.ImageClassifierServicer):
     async def Classify(self, request_iterator, context):
         async for request in request_iterator:
             self.received += 1
-            if self.fail_after is not None and self.received >= self.fail_after:
+            if self.received == self.fail_after:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} is going away")
             response = pb.ClassifyResponse(request_id=request.request_id)
             response.results.add().labels.add(name=self.name)
@@ -86,31 +87,35 @@ async def test_a_server_that_is_down_fails_the_connect_at_once() -> None:
     assert asyncio.get_running_loop().time() - start < 10  # not the connect timeout
 
 
-async def test_a_failing_replica_answers_its_own_requests_and_the_rest_go_on() -> None:
+async def test_a_failing_replica_answers_its_own_requests_and_a_new_connection_goes_on() -> None:
     """Replica a aborts its stream on its third request: the requests it had are answered
-    with UNAVAILABLE, every other request is answered by b, and the stream's error is
-    raised at the end, as one stream raises its own."""
+    with its status, and the client opens a new connection in that one's place, so the
+    stream goes on over two connections and ends without an error."""
     address, servers = await _serve([NamedReplica("a", fail_after=3), NamedReplica("b")])
     answered: list[pb.ClassifyResponse] = []
     try:
+
+        async def paced():  # at most 4 in flight: requests are still to come when a fails
+            for request in _requests(30):
+                while len(answered) < int(request.request_id) - 4:
+                    await asyncio.sleep(0.001)
+                yield request
+
         async with Client(address, connections=2) as client:
-            assert client.connections == 2
-            with pytest.raises(grpc.aio.AioRpcError) as raised:
-                async for response in client.stream(_requests(30)):
-                    answered.append(response)
+            async for response in client.stream(paced()):
+                answered.append(response)
+            assert client.connections == 2 and all(await client.replicas())
     finally:
         await asyncio.gather(*(server.stop(None) for server in servers))
-    # grpcio's aio client may report INTERNAL "Internal error from Core" instead of the
-    # server's status when a write races the server's abort (grpc/grpc#36066, still open).
-    codes = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL}
-    assert raised.value.code() in codes
     assert sorted(int(r.request_id) for r in answered) == list(range(30))  # once each
     failed = [r for r in answered if r.error.code]
-    assert failed and all(r.error.code == raised.value.code().value[0] for r in failed)
-    if raised.value.code() == grpc.StatusCode.UNAVAILABLE:
-        assert all("a is going away" in r.error.message for r in failed)
+    # grpcio's aio client may report INTERNAL "Internal error from Core" instead of the
+    # server's status when a write races the server's abort (grpc/grpc#36066, still open).
+    codes = {grpc.StatusCode.UNAVAILABLE.value[0], grpc.StatusCode.INTERNAL.value[0]}
+    assert failed and {r.error.code for r in failed} <= codes
+    assert len(failed) < 30 - 2  # only what a's failed stream held
     by = collections.Counter(r.results[0].labels[0].name for r in answered if not r.error.code)
-    assert by["a"] == 2 and by["b"] == 30 - 2 - len(failed), by
+    assert by["a"] >= 2 and by["a"] + by["b"] == 30 - len(failed), by
 
 
 def _answering(log: list[str], gate: asyncio.Event | None = None):
@@ -180,34 +185,122 @@ async def test_requests_not_yet_sent_move_to_another_stream_or_fail_when_none_is
     assert all(m == "no connection left to send this request on: gone" for m in unsent)
 
 
+async def test_a_stream_that_keeps_failing_is_reopened_a_few_times_then_leaves() -> None:
+    from clients.spread import MAX_REOPENS
+
+    opened = []
+    empty = grpc.aio.Metadata()
+
+    def broken(index: int):
+        async def stream(requests):
+            async for request in requests:  # takes one, answers it with the failure, fails
+                yield error_response(request.request_id, grpc.StatusCode.UNAVAILABLE, "down")
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, empty, empty, "down")
+
+        return stream
+
+    async def reopen(index: int):
+        opened.append(index)
+        return broken(index)
+
+    served = []
+    answered = []
+    with pytest.raises(grpc.aio.AioRpcError):
+        async for response in spread([broken(0), _answering(served)], _requests(40), reopen):
+            answered.append(response)
+    assert opened == [0] * MAX_REOPENS
+    assert sorted(int(r.request_id) for r in answered) == list(range(40))
+    assert sum(r.error.code != 0 for r in answered) == MAX_REOPENS + 1  # one per stream
+    assert len(served) == 40 - (MAX_REOPENS + 1)
+
+
+def _deploy_direct(model_repository, port: int, log_sample_rate: float) -> None:
+    """Application "spread": topology direct, two ingress replicas on `port`, echo engine.
+    A new `log_sample_rate` is a new code version: Serve replaces every replica."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    app = {
+        "name": "spread",
+        "route_prefix": None,
+        "import_path": "serve_app.app:build_app",
+        "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}},
+        "args": {
+            "port": port,
+            "model_repository": str(model_repository),
+            "topology": "direct",
+            "engine": {"kind": "echo"},
+            "log_sample_rate": log_sample_rate,
+        },
+        "deployments": [
+            {
+                "name": "Ingress",
+                "num_replicas": 2,
+                "max_surge_percent": 100,
+                "ray_actor_options": {"num_cpus": 0.25},
+            }
+        ],
+    }
+    config = ServeDeploySchema.model_validate({"proxy_location": "Disabled", "applications": [app]})
+    serve.start(proxy_location="Disabled")
+    _get_global_client().deploy_apps(config, _blocking=True)
+
+
 @pytest.mark.slow
-async def test_direct_replicas_share_one_long_stream(ray_cluster, model_repository, photos) -> None:
+async def test_one_stream_over_two_direct_replicas_outlives_their_redeploy(
+    ray_cluster, model_repository, photos
+) -> None:
     """The real app, topology direct, two ingress replicas on one port: a client with
-    connections=2 reaches both over one logical stream. (Echo engine: this is transport.)"""
+    connections=2 reaches both over one logical stream, and when a redeploy replaces both
+    replicas the stream goes on over new connections to the new ones, every request
+    answered once. (Echo engine: this is transport.)"""
     from ray import serve
 
-    from serve_app.app import DIRECT_REPLICA_ENV
-    from serve_app.config import AppConfig
-    from serve_app.ingress import Ingress
-
     port = free_port()  # replicas share a port only when it is given (0: one each)
-    config = AppConfig.model_validate(
-        {"model_repository": str(model_repository), "port": port, "topology": "direct"}
-        | {"engine": {"kind": "echo"}}
-    ).model_dump(mode="json")
-    options = {"num_cpus": 0.25, "runtime_env": {"env_vars": DIRECT_REPLICA_ENV}}
-    serve.start(proxy_location="Disabled")
-    app = Ingress.options(num_replicas=2, ray_actor_options=options).bind(config)
-    handle = serve.run(app, name="spread", route_prefix=None)
+    await asyncio.to_thread(_deploy_direct, model_repository, port, 0.0)
+    answers: collections.defaultdict[str, list[int]] = collections.defaultdict(list)
+    sent: list[str] = []
+    stop = asyncio.Event()
+
+    async def requests():  # one request every 10 ms, until stopped
+        while not stop.is_set():
+            sent.append(str(len(sent)))
+            images = [b"not an image", photos["chelsea"]] if len(sent) % 5 == 0 else []
+            yield pb.ClassifyRequest(request_id=sent[-1], images=images or [photos["coffee"]])
+            await asyncio.sleep(0.01)
+
+    async def answered_ok(count: int) -> None:
+        while sum(codes == [0] for codes in answers.values()) < count:
+            await asyncio.sleep(0.05)
+
     try:
-        assert await handle.port.remote() == port
         async with Client(f"127.0.0.1:{port}", connections=2) as client:
-            assert client.connections == 2
-            assert len(set(await client.replicas())) == 2
-            images = [b"not an image", photos["chelsea"], photos["coffee"]] * 8
-            results = [r async for r in client.classify(images, batch_size=2)]
-        assert len(results) == 8 * 3
-        assert sum(r.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0] for r in results) == 8
-        assert all(r.ok for r in results if r.key % 3)
+            first = await client.replicas()
+            assert client.connections == 2 and len(set(first)) == 2
+
+            async def receive() -> None:
+                async for response in client.stream(requests()):
+                    answers[response.request_id].append(response.error.code)
+                    if response.results and len(response.results) == 2:
+                        assert response.results[0].error.code == 3  # INVALID_ARGUMENT
+                        assert response.results[1].labels
+
+            receiver = asyncio.create_task(receive())
+            await asyncio.wait_for(answered_ok(20), 60)
+            await asyncio.to_thread(_deploy_direct, model_repository, port, 0.5)
+            before = sum(codes == [0] for codes in answers.values())
+            await asyncio.wait_for(answered_ok(before + 40), 60)  # from the new replicas
+            stop.set()
+            await asyncio.wait_for(receiver, 60)  # ends without an error
+            now = await client.replicas()
+            assert client.connections == 2 and not set(now) & set(first), (first, now)
     finally:
-        serve.delete("spread")
+        stop.set()
+        await asyncio.to_thread(serve.delete, "spread")
+    assert sorted(answers, key=int) == sent  # every request answered ...
+    assert all(len(codes) == 1 for codes in answers.values())  # ... exactly once
+    codes = collections.Counter(codes[0] for codes in answers.values())
+    # a replica going away answers what it holds with UNAVAILABLE (or, racing a write,
+    # INTERNAL: grpc/grpc#36066)
+    assert set(codes) <= {0, grpc.StatusCode.UNAVAILABLE.value[0], 13}, codes
