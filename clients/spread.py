@@ -69,10 +69,11 @@ async def spread(
     gets fewer; ties take turns). A stream that fails answers its own unanswered requests
     with its status, as one stream does. With `reopen`, a stream that failed with one of
     REOPEN_CODES is replaced by one on a new connection, so the spread stream outlives its
-    replicas (a rolling redeploy); otherwise, or after MAX_REOPENS failures in a row, the
-    lane leaves: the requests queued for it and not yet sent go to the others, or are
-    answered with its status when none is left. Once every request is answered, the first
-    failure of a lane that left is raised, as one stream raises its own."""
+    replicas (a rolling redeploy); otherwise, or once MAX_REOPENS new ones in a row failed
+    with no request answered OK in between, the lane leaves: the requests queued for it and
+    not yet sent go to the others, or are answered with its status when none is left. Once
+    every request is answered, the first failure of a lane that left is raised, as one
+    stream raises its own."""
     lanes = [_Lane(stream) for stream in streams]
     responses: asyncio.Queue = asyncio.Queue()
     # Backpressure, as one stream's write gives: at most one request per lane taken from
@@ -188,6 +189,10 @@ async def spread(
             yield responses.get_nowait()
         if not feeder.cancelled() and feeder.exception() is not None:
             raise feeder.exception()  # the caller's own request iterator failed
+        await asyncio.gather(*runners, return_exceptions=True)  # their last steps
+        for runner in runners:  # a lane's own bug, not a stream's status
+            if not runner.cancelled() and runner.exception() is not None:
+                raise runner.exception()
         if failures:
             raise failures[0]
     finally:
