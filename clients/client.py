@@ -121,6 +121,8 @@ class Client:
         self._stubs: list[pb_grpc.ImageClassifierStub] = []
         self._replicas: list[str] = []  # each connection's ingress replica, once known
         self._ids = itertools.count()
+        self._unary: collections.Counter[int] = collections.Counter()  # calls in flight
+        self._turn = 0
 
     async def __aenter__(self) -> Client:
         if self._wanted == 1:
@@ -240,7 +242,8 @@ class Client:
     async def classify_once(
         self, images: list[bytes] | pb.ClassifyRequest, *, top_k: int = 5, model: str = ""
     ) -> pb.ClassifyResponse:
-        """Unary call on `images` (or on a ready-made request), on the first connection."""
+        """Unary call on `images` (or on a ready-made request), on the connection with the
+        fewest unary calls in flight (ties take turns)."""
         request = (
             images
             if isinstance(images, pb.ClassifyRequest)
@@ -248,7 +251,16 @@ class Client:
                 request_id=str(next(self._ids)), images=images, top_k=top_k, model=model
             )
         )
-        return await self.stub.ClassifyOnce(request, timeout=self._timeout, metadata=self._metadata)
+        count = len(self._stubs)
+        index = min(range(count), key=lambda i: (self._unary[i], (i - self._turn) % count))
+        self._turn = index + 1
+        self._unary[index] += 1
+        try:
+            return await self._stubs[index].ClassifyOnce(
+                request, timeout=self._timeout, metadata=self._metadata
+            )
+        finally:
+            self._unary[index] -= 1
 
     async def stream(
         self, requests: AsyncIterable[pb.ClassifyRequest] | Iterable[pb.ClassifyRequest]

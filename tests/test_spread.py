@@ -33,6 +33,11 @@ class NamedReplica(pb_grpc.ImageClassifierServicer):
         context.set_trailing_metadata(((REPLICA_METADATA, self.name),))
         return pb.ModelInfo(name="named")
 
+    async def ClassifyOnce(self, request, context):
+        response = pb.ClassifyResponse(request_id=request.request_id)
+        response.results.add().labels.add(name=self.name)
+        return response
+
     async def Classify(self, request_iterator, context):
         async for request in request_iterator:
             self.received += 1
@@ -67,9 +72,12 @@ async def test_one_stream_reaches_every_replica_sharing_the_port() -> None:
             assert client.connections == 2
             assert sorted(await client.replicas()) == ["a", "b"]
             answered = [r async for r in client.stream(_requests(40))]
+            # unary calls too: on the connection with the fewest in flight, ties taking turns
+            unary = [await client.classify_once([b"x"]) for _ in range(4)]
         assert sorted(int(r.request_id) for r in answered) == list(range(40))  # once each
         by = collections.Counter(r.results[0].labels[0].name for r in answered)
         assert by["a"] > 0 and by["b"] > 0, by
+        assert sorted(r.results[0].labels[0].name for r in unary) == ["a", "a", "b", "b"]
         async with Client(address) as single:  # the default: one connection, one replica
             assert single.connections == 1
             names = {r.results[0].labels[0].name async for r in single.stream(_requests(10))}
