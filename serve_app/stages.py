@@ -176,7 +176,7 @@ MAX_CONCURRENT_BATCHES = 2  # GPU engines hold this many slots (engines/cuda_gra
 # one or several requests). Part of nvJPEG's work runs on the calling CPU thread, so calls in
 # parallel matter more than size: 2 calls of up to 256 delivered 6,577 img/s on one H200
 # where 4 calls of 32 (one request each) delivered 7,753 (docs/benchmarks.md, section 2c).
-DECODE_BATCHES = 4
+DECODE_BATCHES = 4  # threads; user_config's decode_concurrency (default 4) uses up to this
 DECODE_BATCH_IMAGES = 32
 # A request's JPEGs reach the decoder in pieces of at most this many, so that idle decode
 # threads share a very large request. Smaller pieces did not pay: torchvision runs one nvJPEG
@@ -312,6 +312,7 @@ class Inference:
                 )
         if self._gpu_decoder is not None:
             self._decode_batcher.max_queued = batching.max_queued_images
+            self._decode_batcher.set_concurrency(batching.decode_concurrency)
         self._serve_batch.set_max_batch_size(batching.max_batch_size)
         self._serve_batch.set_batch_wait_timeout_s(batching.batch_wait_timeout_s)
         logger.info("batching: %s", batching)

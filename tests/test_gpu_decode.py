@@ -150,7 +150,8 @@ async def test_inference_replica_decodes_waiting_requests_together(
     config = AppConfig(model_repository=model_repository, decode="gpu")
     replica = Inference.func_or_class.__new__(Inference.func_or_class)
     await replica.__init__(config.model_dump())
-    replica.reconfigure(BatchingConfig().model_dump())
+    # one decode call at a time (user_config): the requests waiting for it merge
+    replica.reconfigure(BatchingConfig(decode_concurrency=1).model_dump())
     preprocessor = Preprocessor(config)
     requests = [
         [photos["chelsea"], b"junk", photos["coffee"]],
@@ -159,7 +160,6 @@ async def test_inference_replica_decodes_waiting_requests_together(
     ]
     pres = [await preprocessor.run(images) for images in requests]
     calls.clear()  # the replica's start-up
-    replica._decode_batcher.set_concurrency(1)  # one decode thread: the others wait for it
     answers = await asyncio.gather(*(replica(pre, 1) for pre in pres))
     top = [
         [o.labels[0].class_id if o.labels else o.failure.code for o in a.outcomes] for a in answers
