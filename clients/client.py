@@ -92,8 +92,8 @@ class Client:
     ) -> None:
         """`connections`: above 1, open up to that many connections, each on another ingress
         replica (each dial's GetModelInfo bounded by `connect_timeout`; a server that is
-        down fails the first at once with UNAVAILABLE), and spread `stream` and
-        `classify` over them. `token`: sent as `authorization: Bearer <token>`. `tls_ca`:
+        down fails with UNAVAILABLE within a few seconds), and spread `stream`, `classify`
+        and `classify_once` over them. `token`: sent as `authorization: Bearer <token>`. `tls_ca`:
         connect with TLS, trusting this CA (PEM file); `tls_cert`/`tls_key`: a client
         certificate (mTLS)."""
         if connections < 1:
@@ -153,12 +153,19 @@ class Client:
     async def _dial(self, avoid: set[str], dials: int) -> tuple[grpc.aio.Channel, str]:
         """A new connection on a replica not in `avoid` if `dials` dials find one (else on
         the last one dialed), with the replica it landed on ("" if the server does not say,
-        which is never avoided)."""
+        which is never avoided). A dial answered UNAVAILABLE (a replica draining, or nothing
+        listening) is followed by the next, a little later; the last one's error is raised."""
         for dial in range(1, dials + 1):
             channel = self._channel()
             stub = pb_grpc.ImageClassifierStub(channel)
             try:
                 replica = await self._replica_of(stub, self._connect_timeout)
+            except grpc.aio.AioRpcError as exc:
+                await channel.close()
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or dial == dials:
+                    raise
+                await asyncio.sleep(0.05 * dial)
+                continue
             except BaseException:
                 await channel.close()
                 raise
