@@ -84,6 +84,7 @@ class Client:
         connections: int = 1,
         timeout: float | None = None,
         connect_timeout: float = 30.0,
+        resends: int = 2,
         max_message_bytes: int = 64 * 1024 * 1024,
         token: str | None = None,
         tls_ca: str | Path | None = None,
@@ -93,7 +94,9 @@ class Client:
         """`connections`: above 1, open up to that many connections, each on another ingress
         replica (each dial's GetModelInfo bounded by `connect_timeout`; a server that is
         down fails with UNAVAILABLE within a few seconds), and spread `stream`, `classify`
-        and `classify_once` over them. `token`: sent as `authorization: Bearer <token>`. `tls_ca`:
+        and `classify_once` over them; on a spread stream, a request answered UNAVAILABLE
+        (its replica draining or gone) is sent again on another connection up to `resends`
+        times. `token`: sent as `authorization: Bearer <token>`. `tls_ca`:
         connect with TLS, trusting this CA (PEM file); `tls_cert`/`tls_key`: a client
         certificate (mTLS)."""
         if connections < 1:
@@ -102,6 +105,7 @@ class Client:
         self._wanted = connections
         self._timeout = timeout
         self._connect_timeout = connect_timeout
+        self._resends = resends
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._credentials = None
         if tls_ca or tls_cert:
@@ -283,7 +287,7 @@ class Client:
             responses = self._stream_on(self.stub, requests)
         else:
             streams = [functools.partial(self._stream_on, stub) for stub in self._stubs]
-            responses = spread(streams, requests, self._reopen)
+            responses = spread(streams, requests, self._reopen, self._resends)
         async for response in responses:
             yield response
 

@@ -30,6 +30,7 @@ REOPEN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL}
 MAX_REOPENS = 3  # in a row, with no request answered OK in between
 
 _LANE_DONE = object()
+_RESEND_CODES = frozenset(code.value[0] for code in REOPEN_CODES)
 
 
 async def as_async(items: AsyncIterable[Any] | Iterable[Any]) -> AsyncIterator[Any]:
@@ -53,7 +54,8 @@ class _Lane:
 
     def __init__(self, stream: StreamFn) -> None:
         self.stream = stream
-        self.queued: collections.deque[pb.ClassifyRequest] = collections.deque()
+        # requests to send, each with whether it holds one of spread()'s backpressure slots
+        self.queued: collections.deque[tuple[pb.ClassifyRequest, bool]] = collections.deque()
         self.wake = asyncio.Event()
         self.unanswered = 0  # given to this lane, not yet answered
         self.open = True  # takes requests: its stream neither failed nor finished writing
@@ -61,7 +63,10 @@ class _Lane:
 
 
 async def spread(
-    streams: list[StreamFn], requests: Requests, reopen: Reopen | None = None
+    streams: list[StreamFn],
+    requests: Requests,
+    reopen: Reopen | None = None,
+    resends: int = 0,
 ) -> AsyncIterator[pb.ClassifyResponse]:
     """Send `requests` over `streams`, yielding every response in completion order.
 
@@ -73,7 +78,12 @@ async def spread(
     with no request answered OK in between, the lane leaves: the requests queued for it and
     not yet sent go to the others, or are answered with its status when none is left. Once
     every request is answered, the first failure of a lane that left is raised, as one
-    stream raises its own."""
+    stream raises its own.
+
+    With `resends`, a request answered with one of REOPEN_CODES (its replica is draining,
+    or went away before answering) is sent again on another stream, up to that many times,
+    instead of answered: a classification has no side effects, so running it twice is
+    harmless."""
     lanes = [_Lane(stream) for stream in streams]
     responses: asyncio.Queue = asyncio.Queue()
     # Backpressure, as one stream's write gives: at most one request per lane taken from
@@ -82,12 +92,19 @@ async def spread(
     failures: list[grpc.aio.AioRpcError] = []
     turn = 0
     input_done = False
+    # resends > 0: each unanswered request by id, with how often it was sent again
+    originals: dict[str, tuple[pb.ClassifyRequest, int]] = {}
 
-    def dispatch(request: pb.ClassifyRequest) -> None:
+    def dispatch(
+        request: pb.ClassifyRequest, holds_slot: bool = True, avoid: _Lane | None = None
+    ) -> None:
         nonlocal turn
         candidates = [i for i, lane in enumerate(lanes) if lane.open]
+        if len(candidates) > 1 and avoid is not None:
+            candidates = [i for i in candidates if lanes[i] is not avoid]
         if not candidates:  # every stream failed (or ended early): nowhere to send it
-            slots.release()
+            if holds_slot:
+                slots.release()
             code, why = (
                 (failures[0].code(), failures[0].details())
                 if failures
@@ -103,14 +120,25 @@ async def spread(
         turn = index + 1
         lane = lanes[index]
         lane.unanswered += 1
-        lane.queued.append(request)
+        lane.queued.append((request, holds_slot))
         lane.wake.set()
+
+    def resend(request_id: str, lane: _Lane) -> bool:
+        """Send a request again on another stream, if it may be and one is open."""
+        request, sent_again = originals.get(request_id, (None, resends))
+        if sent_again >= resends or not any(o.open and o is not lane for o in lanes):
+            return False
+        originals[request_id] = (request, sent_again + 1)
+        dispatch(request, holds_slot=False, avoid=lane)
+        return True
 
     async def outbox(lane: _Lane) -> AsyncIterator[pb.ClassifyRequest]:
         while True:
             while lane.queued:
-                slots.release()
-                yield lane.queued.popleft()
+                request, holds_slot = lane.queued.popleft()
+                if holds_slot:
+                    slots.release()
+                yield request
             if input_done:
                 lane.open = False
                 return
@@ -126,6 +154,10 @@ async def spread(
                         lane.unanswered -= 1
                         if not response.error.code:
                             failed_in_a_row = 0
+                        elif response.error.code in _RESEND_CODES and resend(
+                            response.request_id, lane
+                        ):
+                            continue
                         responses.put_nowait(response)
                     return
                 except grpc.aio.AioRpcError as exc:
@@ -150,7 +182,7 @@ async def spread(
         finally:
             lane.open = False
             while lane.queued:  # never sent: safe to send on another connection
-                dispatch(lane.queued.popleft())
+                dispatch(*lane.queued.popleft())
             responses.put_nowait(_LANE_DONE)
 
     async def feed() -> None:
@@ -165,6 +197,8 @@ async def spread(
                     request = await anext(iterator)
                 except StopAsyncIteration:
                     return
+                if resends:
+                    originals[request.request_id] = (request, 0)
                 dispatch(request)
         finally:
             input_done = True
@@ -180,6 +214,7 @@ async def spread(
             if response is _LANE_DONE:
                 finished += 1
             else:
+                originals.pop(response.request_id, None)
                 yield response
         # Every stream has ended: stop taking requests (they all failed), then yield what
         # was answered meanwhile.
