@@ -82,6 +82,18 @@ def metrics_url(ray_cluster) -> str:
     return f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
 
 
+def deploy_app(app: dict) -> None:
+    """Deploy one Serve application from its config entry (as `serve deploy` takes it) and
+    wait until it runs; deploying it again with new args or user_config redeploys it."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    config = ServeDeploySchema.model_validate({"proxy_location": "Disabled", "applications": [app]})
+    serve.start(proxy_location="Disabled")
+    _get_global_client().deploy_apps(config, _blocking=True)
+
+
 def start_app(name: str, model_repository: Path, **args: object):
     """Build and run raystream as Serve application `name`, gRPC on a free port: returns
     (port, ingress handle). The caller deletes it (`serve.delete(name)`)."""

@@ -17,7 +17,7 @@ import pytest
 from clients.client import Client
 from raystream.v1 import classifier_pb2 as pb
 
-from conftest import free_port
+from conftest import deploy_app, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -33,41 +33,30 @@ def _deploy(
     log_sample_rate: float,
     max_concurrent_batches: int = 1,
 ) -> None:
-    from ray import serve
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
-    config = ServeDeploySchema.model_validate(
+    deploy_app(
         {
-            "proxy_location": "Disabled",
-            "applications": [
+            "name": APP,
+            "route_prefix": None,
+            "import_path": "serve_app.app:build_app",
+            "args": {
+                "port": port,
+                "model_repository": str(model_repository),
+                "topology": "fused",
+                "engine": {"kind": "echo", "options": {"delay_ms": 50}},
+                "log_sample_rate": log_sample_rate,
+            },
+            "deployments": [
+                {"name": "Ingress", "max_surge_percent": 100},
                 {
-                    "name": APP,
-                    "route_prefix": None,
-                    "import_path": "serve_app.app:build_app",
-                    "args": {
-                        "port": port,
-                        "model_repository": str(model_repository),
-                        "topology": "fused",
-                        "engine": {"kind": "echo", "options": {"delay_ms": 50}},
-                        "log_sample_rate": log_sample_rate,
+                    "name": "Inference",
+                    "user_config": {
+                        "max_batch_size": max_batch_size,
+                        "max_concurrent_batches": max_concurrent_batches,
                     },
-                    "deployments": [
-                        {"name": "Ingress", "max_surge_percent": 100},
-                        {
-                            "name": "Inference",
-                            "user_config": {
-                                "max_batch_size": max_batch_size,
-                                "max_concurrent_batches": max_concurrent_batches,
-                            },
-                        },
-                    ],
-                }
+                },
             ],
         }
     )
-    serve.start(proxy_location="Disabled")
-    _get_global_client().deploy_apps(config, _blocking=True)
 
 
 def _inference():

@@ -18,7 +18,7 @@ from clients.spread import error_response, spread
 from raystream.v1 import classifier_pb2 as pb
 from raystream.v1 import classifier_pb2_grpc as pb_grpc
 
-from conftest import free_port
+from conftest import deploy_app, free_port
 
 
 class NamedReplica(pb_grpc.ImageClassifierServicer):
@@ -232,15 +232,13 @@ async def test_a_stream_that_keeps_failing_is_reopened_a_few_times_then_leaves()
 def _deploy_direct(model_repository, port: int, log_sample_rate: float) -> None:
     """Application "spread": topology direct, two ingress replicas on `port`, echo engine.
     A new `log_sample_rate` is a new code version: Serve replaces every replica."""
-    from ray import serve
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
+    from serve_app.app import DIRECT_REPLICA_ENV
 
     app = {
         "name": "spread",
         "route_prefix": None,
         "import_path": "serve_app.app:build_app",
-        "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}},
+        "runtime_env": {"env_vars": DIRECT_REPLICA_ENV},  # as `raystream serve` sets it
         "args": {
             "port": port,
             "model_repository": str(model_repository),
@@ -257,9 +255,7 @@ def _deploy_direct(model_repository, port: int, log_sample_rate: float) -> None:
             }
         ],
     }
-    config = ServeDeploySchema.model_validate({"proxy_location": "Disabled", "applications": [app]})
-    serve.start(proxy_location="Disabled")
-    _get_global_client().deploy_apps(config, _blocking=True)
+    deploy_app(app)
 
 
 @pytest.mark.slow
