@@ -21,7 +21,7 @@ import random
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 import numpy as np
@@ -145,14 +145,18 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         # The deadline travels with the request, so whatever stage holds it when it passes
         # drops it before the engine; the timeout answers the client on time meanwhile.
         deadline = None if budget_s is None else time.time() + budget_s
+        if pixels is not None:
+            indices = tuple(range(len(pixels)))
+            pre = Preprocessed(len(pixels), pixels, indices, (), deadline=deadline)
+            work = self._pipeline.classify_preprocessed(pre, top_k, scores)
+        else:
+            work = self._pipeline.classify(list(request.images), top_k, deadline, scores)
+        if budget_s is None:  # no timer: entering one costs microseconds a request (py-spy)
+            return await work
         timer = asyncio.timeout(budget_s)
         try:
             async with timer:
-                if pixels is not None:
-                    indices = tuple(range(len(pixels)))
-                    pre = Preprocessed(len(pixels), pixels, indices, (), deadline=deadline)
-                    return await self._pipeline.classify_preprocessed(pre, top_k, scores)
-                return await self._pipeline.classify(list(request.images), top_k, deadline, scores)
+                return await work
         except TimeoutError:
             if not timer.expired():
                 raise
@@ -194,6 +198,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         """Exactly one response per request: the result, or the error that says why not."""
         start = time.perf_counter()
         probabilities = None
+        failed: list[int] = []  # the status codes of the images that failed
         response = pb.ClassifyResponse(request_id=request.request_id)
         self.requests_in_flight += 1
         if self._metrics_export is None:
@@ -215,7 +220,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
             if request.images or pixels is not None:
                 budget = _budget_s(request, context)
                 classified = await self._classify(request, budget, pixels, scores)
-                _fill(response, classified)
+                failed = _fill(response, classified)
                 if scores:
                     rows = [outcome.scores for outcome in classified.outcomes]
                     if all(row is not None for row in rows):
@@ -229,20 +234,28 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
                 logger.exception("request %r failed", request.request_id)
             response.error.code, response.error.message = int(code), message_for(exc)
             del response.results[:]
+            failed = []
         finally:
             self.requests_in_flight -= 1
         response.timing.total_ms = (time.perf_counter() - start) * 1000.0
-        self._record(response, stream)
+        self._record(response, stream, failed)
         return response, probabilities
 
-    def _record(self, response: pb.ClassifyResponse, stream: str = "unary") -> None:
+    def _record(
+        self, response: pb.ClassifyResponse, stream: str = "unary", failed: Sequence[int] = ()
+    ) -> None:
+        """Log and count one response; `failed`: the codes of its images that failed (read
+        back from the protobuf results instead, they were ~4% of the servicer's own CPU)."""
         t = response.timing
-        image_codes = collections.Counter(result.error.code for result in response.results)
-        self._log(response, stream, failed=len(response.results) - image_codes[0])
-        ran = len(response.results) > 0
+        images = len(response.results)
+        image_codes = collections.Counter(_code_name(code) for code in failed)
+        if images > len(failed):
+            image_codes["OK"] = images - len(failed)
+        self._log(response, stream, failed=len(failed))
+        ran = images > 0
         self._metrics.record(
             code=_code_name(response.error.code),
-            image_codes={_code_name(code): count for code, count in image_codes.items()},
+            image_codes=image_codes,
             total_ms=t.total_ms,
             stage_ms={
                 "queue": t.queue_ms,
@@ -372,11 +385,14 @@ def _error_response(request: pb.ClassifyRequest, exc: Exception) -> pb.ClassifyR
     return response
 
 
-def _fill(response: pb.ClassifyResponse, classified: Classified) -> None:
+def _fill(response: pb.ClassifyResponse, classified: Classified) -> list[int]:
+    """`classified` into `response`; returns the status codes of the images that failed."""
+    failed = []
     for outcome in classified.outcomes:
         result = response.results.add()
         if outcome.failure is not None:
             result.error.code, result.error.message = outcome.failure.code, outcome.failure.message
+            failed.append(outcome.failure.code)
         for label in outcome.labels:
             result.labels.add(class_id=label.class_id, name=label.name, score=label.score)
     t = classified.timing
@@ -385,6 +401,7 @@ def _fill(response: pb.ClassifyResponse, classified: Classified) -> None:
     response.timing.inference_ms = t.inference_ms
     response.timing.postprocess_ms = t.postprocess_ms
     response.timing.batch_size = t.batch_size
+    return failed
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=8)
