@@ -10,8 +10,10 @@ completion order, each carrying the key it was sent with.
 
 `Client(address, connections=N)` opens N connections, each on another ingress replica
 where several share the port (topology `direct`: a replica serves only the connections the
-kernel hands it), and spreads that one logical stream's requests over them; a connection
-whose replica goes away is replaced by a new one (clients/spread.py).
+kernel hands it), and spreads that one logical stream's requests over them. With one
+connection or several, a connection whose replica goes away (a redeploy drains it) is
+replaced by a new one and the stream carries on, its unanswered requests sent again
+(clients/spread.py).
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class Client:
         timeout: float | None = None,
         connect_timeout: float = 30.0,
         resends: int = 2,
+        reconnect: bool = True,
         max_message_bytes: int = 64 * 1024 * 1024,
         token: str | None = None,
         tls_ca: str | Path | None = None,
@@ -94,11 +97,14 @@ class Client:
         """`connections`: above 1, open up to that many connections, each on another ingress
         replica (each dial's GetModelInfo bounded by `connect_timeout`; a server that is
         down fails with UNAVAILABLE within a few seconds), and spread `stream`, `classify`
-        and `classify_once` over them; on a spread stream, a request answered UNAVAILABLE
-        (its replica draining or gone) is sent again on another connection up to `resends`
-        times. `token`: sent as `authorization: Bearer <token>`. `tls_ca`:
-        connect with TLS, trusting this CA (PEM file); `tls_cert`/`tls_key`: a client
-        certificate (mTLS)."""
+        and `classify_once` over them. `reconnect`: a stream whose connection fails with
+        UNAVAILABLE (its replica draining in a redeploy, or gone) carries on over a new
+        connection, which waits up to `connect_timeout` for a server to answer; a request
+        answered UNAVAILABLE is sent again, on another connection where there is one, up to
+        `resends` times. Without it, such a stream ends with that status, each request it
+        left unanswered answered with it. `token`: sent as `authorization: Bearer <token>`.
+        `tls_ca`: connect with TLS, trusting this CA (PEM file); `tls_cert`/`tls_key`: a
+        client certificate (mTLS)."""
         if connections < 1:
             raise ValueError(f"connections must be at least 1, got {connections}")
         self.address = address
@@ -106,6 +112,7 @@ class Client:
         self._timeout = timeout
         self._connect_timeout = connect_timeout
         self._resends = resends
+        self._reconnect = reconnect
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._credentials = None
         if tls_ca or tls_cert:
@@ -123,7 +130,7 @@ class Client:
         ]
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list[pb_grpc.ImageClassifierStub] = []
-        self._replicas: list[str] = []  # each connection's ingress replica, once known
+        self._replicas: dict[int, str] = {}  # connection -> its ingress replica, once known
         self._ids = itertools.count()
         self._unary: collections.Counter[int] = collections.Counter()  # calls in flight
         self._turn = 0
@@ -145,7 +152,7 @@ class Client:
         await self.close()
 
     async def close(self) -> None:
-        channels, self._channels, self._stubs, self._replicas = self._channels, [], [], []
+        channels, self._channels, self._stubs, self._replicas = self._channels, [], [], {}
         for channel in channels:
             await channel.close()
 
@@ -154,16 +161,20 @@ class Client:
             return grpc.aio.insecure_channel(self.address, options=self._options)
         return grpc.aio.secure_channel(self.address, self._credentials, options=self._options)
 
-    async def _dial(self, avoid: set[str], dials: int) -> tuple[grpc.aio.Channel, str]:
+    async def _dial(
+        self, avoid: set[str], dials: int, wait: bool = False
+    ) -> tuple[grpc.aio.Channel, str]:
         """A new connection on a replica not in `avoid` if `dials` dials find one (else on
         the last one dialed), with the replica it landed on ("" if the server does not say,
         which is never avoided). A dial answered UNAVAILABLE (a replica draining, or nothing
-        listening) is followed by the next, a little later; the last one's error is raised."""
+        listening) is followed by the next, a little later; the last one's error is raised.
+        With `wait`, each dial waits up to `connect_timeout` for a server to listen (one
+        restarting)."""
         for dial in range(1, dials + 1):
             channel = self._channel()
             stub = pb_grpc.ImageClassifierStub(channel)
             try:
-                replica = await self._replica_of(stub, self._connect_timeout)
+                replica = await self._replica_of(stub, self._connect_timeout, wait)
             except grpc.aio.AioRpcError as exc:
                 await channel.close()
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or dial == dials:
@@ -182,21 +193,21 @@ class Client:
         """Up to `connections` connections on distinct ingress replicas. Dialing stops once
         8 dials per replica found, in a row, found no new one (fewer replicas than asked)."""
         while len(self._channels) < self._wanted:
-            seen = set(self._replicas)
+            seen = set(self._replicas.values())
             channel, replica = await self._dial(seen, DIALS_PER_REPLICA * max(1, len(seen)))
             if replica and replica in seen:
                 await channel.close()
                 return
+            self._replicas[len(self._channels)] = replica
             self._channels.append(channel)
             self._stubs.append(pb_grpc.ImageClassifierStub(channel))
-            self._replicas.append(replica)
 
     async def _reopen(self, index: int) -> StreamFn:
         """A stream on a new connection in place of connection `index`, whose stream failed
         (clients/spread.py): on a replica that no other connection is on, if 8 dials find
         one (the replica that failed, if it is only restarting, counts as free)."""
-        others = set(self._replicas[:index] + self._replicas[index + 1 :])
-        channel, replica = await self._dial(others, DIALS_PER_REPLICA)
+        others = {replica for i, replica in self._replicas.items() if i != index}
+        channel, replica = await self._dial(others, DIALS_PER_REPLICA, wait=True)
         old = self._channels[index]
         self._channels[index] = channel
         self._stubs[index] = pb_grpc.ImageClassifierStub(channel)
@@ -234,18 +245,23 @@ class Client:
         """The ingress replica this (first) connection landed on ("" from a server that
         does not say). Replicas share one port and the kernel hashes each connection to
         one of them."""
-        if self._replicas:
+        if 0 in self._replicas:
             return self._replicas[0]
         return await self._replica_of(self.stub, self._timeout)
 
     async def replicas(self) -> list[str]:
         """The ingress replica of each connection, in order."""
-        if len(self._replicas) < len(self._stubs):
-            self._replicas = [await self._replica_of(stub, self._timeout) for stub in self._stubs]
-        return list(self._replicas)
+        for index, stub in enumerate(self._stubs):
+            if index not in self._replicas:
+                self._replicas[index] = await self._replica_of(stub, self._timeout)
+        return [self._replicas[index] for index in range(len(self._stubs))]
 
-    async def _replica_of(self, stub: pb_grpc.ImageClassifierStub, timeout: float | None) -> str:
-        call = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=timeout, metadata=self._metadata)
+    async def _replica_of(
+        self, stub: pb_grpc.ImageClassifierStub, timeout: float | None, wait: bool = False
+    ) -> str:
+        call = stub.GetModelInfo(
+            pb.ModelInfoRequest(), timeout=timeout, metadata=self._metadata, wait_for_ready=wait
+        )
         await call
         trailing = await call.trailing_metadata()
         return next((value for key, value in trailing or () if key == REPLICA_METADATA), "")
@@ -281,13 +297,15 @@ class Client:
         Every request sent gets exactly one response. If the stream itself fails (the server
         shuts down, a message is over the size limit, the connection drops), each request
         still unanswered gets a response carrying the stream's status code and message,
-        and then the stream's error (grpc.aio.AioRpcError) is raised. Over several
+        and then the stream's error (grpc.aio.AioRpcError) is raised; with `reconnect`, a
+        stream that failed UNAVAILABLE first carries on over a new connection. Over several
         connections, see clients/spread.py."""
-        if len(self._stubs) == 1:
+        if len(self._stubs) == 1 and not self._reconnect:
             responses = self._stream_on(self.stub, requests)
         else:
             streams = [functools.partial(self._stream_on, stub) for stub in self._stubs]
-            responses = spread(streams, requests, self._reopen, self._resends)
+            reopen = self._reopen if self._reconnect else None
+            responses = spread(streams, requests, reopen, self._resends)
         async for response in responses:
             yield response
 

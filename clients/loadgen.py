@@ -284,9 +284,10 @@ async def find_replicas(address: str, count: int, client_options: dict) -> list[
 
 async def _connect(address: str, replica: str | None, dials: int, options: dict) -> Client:
     """A ready client on `replica` (None: wherever the kernel puts it), dialing up to `dials`
-    times; the last dial is kept wherever it landed."""
+    times; the last dial is kept wherever it landed. Its streams keep to that connection (no
+    reconnect): one that fails shows in the report as errors, and costs what it did."""
     for dial in range(1, dials + 1):
-        client = Client(address, **options)
+        client = Client(address, reconnect=False, **options)
         await client.__aenter__()
         try:
             await client.wait_ready(timeout=30)

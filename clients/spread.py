@@ -1,9 +1,10 @@
-"""One logical bidi stream over several connections (`Client(address, connections=N)`).
+"""One logical bidi stream over one or several connections (`Client`, clients/client.py).
 
 Topology `direct` serves each connection in the one ingress replica the kernel hashed it
 to, so a client with one long-lived stream reaches one replica. Spreading that stream's
 requests over streams on connections to different replicas reaches all of them, with the
-same contract as one stream: every request gets exactly one response.
+same contract as one stream: every request gets exactly one response. Over one connection
+or several, a stream whose replica goes away carries on over a new connection.
 """
 
 from __future__ import annotations
@@ -81,9 +82,9 @@ async def spread(
     stream raises its own.
 
     With `resends`, a request answered with one of REOPEN_CODES (its replica is draining,
-    or went away before answering) is sent again on another stream, up to that many times,
-    instead of answered: a classification has no side effects, so running it twice is
-    harmless."""
+    or went away before answering) is sent again on another stream (with `reopen` and no
+    other stream open, on its own stream's replacement), up to that many times, instead of
+    answered: a classification has no side effects, so running it twice is harmless."""
     lanes = [_Lane(stream) for stream in streams]
     responses: asyncio.Queue = asyncio.Queue()
     # Backpressure, as one stream's write gives: at most one request per lane taken from
@@ -124,12 +125,20 @@ async def spread(
         lane.wake.set()
 
     def resend(request_id: str, lane: _Lane) -> bool:
-        """Send a request again on another stream, if it may be and one is open."""
+        """Send a request again, if it may be: on another open stream, or, with `reopen`
+        and none open, on its own lane's next stream (with one connection, the only way on).
+        If that lane cannot reconnect, the request is answered with the lane's failure."""
         request, sent_again = originals.get(request_id, (None, resends))
-        if sent_again >= resends or not any(o.open and o is not lane for o in lanes):
+        others = any(o.open and o is not lane for o in lanes)
+        if sent_again >= resends or not (others or reopen is not None):
             return False
         originals[request_id] = (request, sent_again + 1)
-        dispatch(request, holds_slot=False, avoid=lane)
+        if others:
+            dispatch(request, holds_slot=False, avoid=lane)
+        else:
+            lane.unanswered += 1
+            lane.queued.append((request, False))
+            lane.wake.set()
         return True
 
     async def outbox(lane: _Lane) -> AsyncIterator[pb.ClassifyRequest]:

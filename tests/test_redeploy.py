@@ -1,9 +1,10 @@
 """Redeploy and shutdown under load, through a Serve config applied the way `serve deploy`
 applies it: a `user_config` change reaches the running replica without a restart; a change
 that restarts replicas drains the old ingress (what it read is answered, the rest of the
-stream gets UNAVAILABLE) while new streams on the same port reach the new one; deleting the
-application answers every request and then refuses new calls. The engine is the echo engine
-with a delay (these tests are about transport)."""
+stream gets UNAVAILABLE) while new streams on the same port reach the new one, and the
+client's stream, reconnecting, carries on there; deleting the application answers every
+request and then refuses new calls. The engine is the echo engine with a delay (these tests
+are about transport)."""
 
 from __future__ import annotations
 
@@ -73,10 +74,11 @@ def port(ray_cluster, model_repository) -> int:
 
 
 class Traffic:
-    """One stream sending a 1-image request every 20 ms until stopped; records answers."""
+    """One stream sending a 1-image request every 20 ms until stopped; records answers.
+    `client_options` go to Client (reconnect=False: the server's own contract shows)."""
 
-    def __init__(self, address: str, image: bytes) -> None:
-        self._address, self._image = address, image
+    def __init__(self, address: str, image: bytes, **client_options: object) -> None:
+        self._address, self._image, self._options = address, image, client_options
         self.sent: list[str] = []
         self.answers: collections.defaultdict[str, list[int]] = collections.defaultdict(list)
         self.stream_error: grpc.aio.AioRpcError | None = None
@@ -92,7 +94,7 @@ class Traffic:
             await asyncio.sleep(0.02)
 
     async def _run(self) -> None:
-        async with Client(self._address) as client:
+        async with Client(self._address, **self._options) as client:
             try:
                 async for response in client.stream(self._requests()):
                     self.answers[response.request_id].append(response.error.code)
@@ -150,8 +152,11 @@ async def test_a_restarting_redeploy_drains_old_streams_onto_the_new_replica(
     port, model_repository, photos
 ) -> None:
     old = await _inference().replica_id.remote()
-    traffic = Traffic(f"127.0.0.1:{port}", photos["chelsea"])
+    address = f"127.0.0.1:{port}"
+    traffic = Traffic(address, photos["chelsea"], reconnect=False)
+    reconnecting = Traffic(address, photos["chelsea"])  # the client's default
     await traffic.answered(5)
+    await reconnecting.answered(5)
     # New args change the application's code version: every replica is replaced.
     await asyncio.to_thread(_deploy, model_repository, port, max_batch_size=2, log_sample_rate=0.5)
     await traffic.ended(90)  # the old ingress ends the stream
@@ -160,6 +165,11 @@ async def test_a_restarting_redeploy_drains_old_streams_onto_the_new_replica(
     assert "shutting down" in traffic.stream_error.details()
     codes = traffic.codes()
     assert set(codes) <= {OK, UNAVAILABLE} and codes[OK] >= 5
+    # The reconnecting stream went on past the old ingress, on the new one, losing nothing.
+    await asyncio.wait_for(reconnecting.answered(len(reconnecting.sent) + 10), 60)
+    await reconnecting.finish()
+    assert reconnecting.stream_error is None
+    assert set(reconnecting.codes()) == {OK}
     # The same port now reaches the new replicas.
     async with Client(f"127.0.0.1:{port}") as client:
         await client.wait_ready(timeout=60)
@@ -171,12 +181,15 @@ async def test_a_restarting_redeploy_drains_old_streams_onto_the_new_replica(
 async def test_deleting_the_app_answers_every_request_then_refuses_calls(port, photos) -> None:
     from ray import serve
 
-    traffic = Traffic(f"127.0.0.1:{port}", photos["chelsea"])
+    # Reconnecting, with no server to come back: the stream gives up after connect_timeout.
+    traffic = Traffic(f"127.0.0.1:{port}", photos["chelsea"], connect_timeout=2.0)
     await traffic.answered(5)
     await asyncio.to_thread(serve.delete, APP)
     await traffic.finish()
     codes = traffic.codes()
     assert set(codes) <= {OK, UNAVAILABLE} and codes[OK] >= 5
+    assert traffic.stream_error is not None
+    assert traffic.stream_error.code() == grpc.StatusCode.UNAVAILABLE
     async with Client(f"127.0.0.1:{port}") as client:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await client.classify_once([photos["coffee"]])
