@@ -145,7 +145,6 @@ class Client:
             except BaseException:
                 await self.close()
                 raise
-        self.stub = self._stubs[0]
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -214,6 +213,11 @@ class Client:
         self._replicas[index] = replica
         await old.close()
         return functools.partial(self._stream_on, self._stubs[index])
+
+    @property
+    def stub(self) -> pb_grpc.ImageClassifierStub:
+        """The first connection's stub (it changes when that connection is replaced)."""
+        return self._stubs[0]
 
     @property
     def connections(self) -> int:

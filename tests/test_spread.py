@@ -159,6 +159,8 @@ async def test_one_connection_carries_on_over_a_new_one_when_its_replica_goes(
                 error = None
             except grpc.aio.AioRpcError as exc:
                 error = exc
+            if reconnect:  # the client's other calls go over the new connection too
+                assert (await client.model_info(timeout=5)).name == "named"
     finally:
         await asyncio.gather(*(server.stop(None) for server in servers))
     ids = sorted(int(r.request_id) for r in answered)
