@@ -99,7 +99,8 @@ class Client:
         down fails with UNAVAILABLE within a few seconds), and spread `stream`, `classify`
         and `classify_once` over them. `reconnect`: a stream whose connection fails with
         UNAVAILABLE (its replica draining in a redeploy, or gone) carries on over a new
-        connection, which waits up to `connect_timeout` for a server to answer; a request
+        connection, which waits up to `connect_timeout` for a server to answer if the old
+        one had answered a request OK (else it gives up in about 2 s); a request
         answered UNAVAILABLE is sent again, on another connection where there is one, up to
         `resends` times. Without it, such a stream ends with that status, each request it
         left unanswered answered with it. `token`: sent as `authorization: Bearer <token>`.
@@ -201,12 +202,14 @@ class Client:
             self._channels.append(channel)
             self._stubs.append(pb_grpc.ImageClassifierStub(channel))
 
-    async def _reopen(self, index: int) -> StreamFn:
+    async def _reopen(self, index: int, wait: bool) -> StreamFn:
         """A stream on a new connection in place of connection `index`, whose stream failed
         (clients/spread.py): on a replica that no other connection is on, if 8 dials find
-        one (the replica that failed, if it is only restarting, counts as free)."""
+        one (the replica that failed, if it is only restarting, counts as free). With
+        `wait` (the old one had answered), each dial waits up to `connect_timeout` for a
+        server to listen; without, a server that is not running fails it in about 2 s."""
         others = {replica for i, replica in self._replicas.items() if i != index}
-        channel, replica = await self._dial(others, DIALS_PER_REPLICA, wait=True)
+        channel, replica = await self._dial(others, DIALS_PER_REPLICA, wait=wait)
         old = self._channels[index]
         self._channels[index] = channel
         self._stubs[index] = pb_grpc.ImageClassifierStub(channel)

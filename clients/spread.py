@@ -21,8 +21,10 @@ from raystream.v1 import classifier_pb2 as pb
 Requests = AsyncIterable[pb.ClassifyRequest] | Iterable[pb.ClassifyRequest]
 # One connection's stream: requests in, responses out (Client._stream_on on one channel).
 StreamFn = Callable[[AsyncIterable[pb.ClassifyRequest]], AsyncIterator[pb.ClassifyResponse]]
-# A stream on a new connection in place of connection i, whose stream failed.
-Reopen = Callable[[int], Awaitable[StreamFn]]
+# A stream on a new connection in place of connection i, whose stream failed; the flag says
+# whether that connection ever had a request answered OK (then it is worth waiting for a
+# server to come back; a server that never answered is likely not running at all).
+Reopen = Callable[[int, bool], Awaitable[StreamFn]]
 
 # Failures after which a lane opens a new connection: a replica going away (drained,
 # restarted, redeployed) ends its streams with UNAVAILABLE, and grpcio's aio client can
@@ -156,13 +158,14 @@ async def spread(
 
     async def run(index: int, lane: _Lane) -> None:
         failed_in_a_row = 0
+        answered_ok = False
         try:
             while True:
                 try:
                     async for response in lane.stream(outbox(lane)):
                         lane.unanswered -= 1
                         if not response.error.code:
-                            failed_in_a_row = 0
+                            failed_in_a_row, answered_ok = 0, True
                         elif response.error.code in _RESEND_CODES and resend(
                             response.request_id, lane
                         ):
@@ -182,7 +185,7 @@ async def spread(
                         return  # nothing left to send: no new connection needed
                     lane.reopening = True
                     try:
-                        lane.stream = await reopen(index)
+                        lane.stream = await reopen(index, answered_ok)
                     except grpc.aio.AioRpcError:
                         failures.append(exc)
                         return

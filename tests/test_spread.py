@@ -256,7 +256,8 @@ async def test_a_stream_that_keeps_failing_is_reopened_a_few_times_then_leaves()
 
         return stream
 
-    async def reopen(index: int):
+    async def reopen(index: int, wait: bool):
+        assert not wait  # it never answered OK: no waiting for a server to come back
         opened.append(index)
         return broken(index)
 
