@@ -100,12 +100,12 @@ class Client:
         and `classify_once` over them. `reconnect`: a stream whose connection fails with
         UNAVAILABLE (its replica draining in a redeploy, or gone) carries on over a new
         connection, which waits up to `connect_timeout` for a server to answer if the old
-        one had answered a request OK (else it gives up in about 2 s); a request
-        answered UNAVAILABLE is sent again, on another connection where there is one, up to
-        `resends` times. Without it, such a stream ends with that status, each request it
-        left unanswered answered with it. `token`: sent as `authorization: Bearer <token>`.
-        `tls_ca`: connect with TLS, trusting this CA (PEM file); `tls_cert`/`tls_key`: a
-        client certificate (mTLS)."""
+        one had answered a request OK (else it gives up in about 2 s); a request answered
+        UNAVAILABLE (or INTERNAL: clients/spread.py) is sent again, on another connection
+        where there is one, up to `resends` times. Without it, such a stream ends with that
+        status, each request it left unanswered answered with it. `token`: sent as
+        `authorization: Bearer <token>`. `tls_ca`: connect with TLS, trusting this CA (PEM
+        file); `tls_cert`/`tls_key`: a client certificate (mTLS)."""
         if connections < 1:
             raise ValueError(f"connections must be at least 1, got {connections}")
         self.address = address
