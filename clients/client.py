@@ -308,6 +308,7 @@ class Client:
         stream that failed UNAVAILABLE first carries on over a new connection. Over several
         connections, see clients/spread.py."""
         if len(self._stubs) == 1 and not self._reconnect:
+            # the call itself, without spread()'s queues: what the load generator measures with
             responses = self._stream_on(self.stub, requests)
         else:
             streams = [functools.partial(self._stream_on, stub) for stub in self._stubs]

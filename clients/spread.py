@@ -64,6 +64,11 @@ class _Lane:
         self.open = True  # takes requests: its stream neither failed nor finished writing
         self.reopening = False  # connecting anew: takes requests only when no lane else does
 
+    def give(self, request: pb.ClassifyRequest, holds_slot: bool) -> None:
+        self.unanswered += 1
+        self.queued.append((request, holds_slot))
+        self.wake.set()
+
 
 async def spread(
     streams: list[StreamFn],
@@ -121,10 +126,7 @@ async def spread(
             key=lambda i: (lanes[i].reopening, lanes[i].unanswered, (i - turn) % len(lanes)),
         )
         turn = index + 1
-        lane = lanes[index]
-        lane.unanswered += 1
-        lane.queued.append((request, holds_slot))
-        lane.wake.set()
+        lanes[index].give(request, holds_slot)
 
     def resend(request_id: str, lane: _Lane) -> bool:
         """Send a request again, if it may be: on another open stream, or, with `reopen`
@@ -138,9 +140,7 @@ async def spread(
         if others:
             dispatch(request, holds_slot=False, avoid=lane)
         else:
-            lane.unanswered += 1
-            lane.queued.append((request, False))
-            lane.wake.set()
+            lane.give(request, holds_slot=False)
         return True
 
     async def outbox(lane: _Lane) -> AsyncIterator[pb.ClassifyRequest]:
