@@ -1,48 +1,81 @@
 #!/usr/bin/env bash
 # Latency at half of issue 5's 10,000 img/s against the request size, on the shipped direct
-# GPU config, every load spread over a connection to each of its eight replicas
-# (`raystream bench --spread`, as Client(address, connections=8) sends):
+# GPU config and variants of it, every load spread over a connection to each replica
+# (`raystream bench --spread`, as Client(address, connections=N) sends):
 #   bash bench/gpu_mps.sh bash bench/gpu_request_sizes.sh
 # Open loop (Poisson), 5,000 img/s in requests of each of $SIZES images (default 32 16 8 4
 # 1); one load-generator process up to 8 images a request, more below (one Python process
-# sends a few thousand requests/s at most). DECODE="4 1" starts the server once per value
-# of user_config's decode_concurrency (nvJPEG calls at once per replica; default 4) and
-# runs every size against each. Logs and bench.json files go to $LOGS (default
-# $OUT/sizes); the table is printed last.
+# sends a few thousand requests/s at most). VARIANTS starts the server once per variant, a
+# comma-separated list of changes to deploy/serve_config.gpu-direct.yaml ("shipped": none):
+#   d=N  user_config's decode_concurrency (nvJPEG calls at once per replica; shipped 4)
+#   r=N  N replicas, each 1/N of the GPU and 16/N CPUs for Ray's accounting (shipped 8)
+#   c=N  the engine's graphs torch.compile'd from batch N up (shipped 32)
+# e.g. VARIANTS="d=1 d=1,r=16 d=1,c=8"; DECODE="4 1" is short for VARIANTS="d=4 d=1".
+# A size listed twice runs twice; "8@6000" sends 6,000 img/s instead of 5,000. SATURATE=1 adds, per variant, the saturating closed loop
+# (16 streams x 16 requests of 32 in flight from 8 processes, spread over every replica),
+# twice, the first as warm-up. Logs and bench.json files go to $LOGS (default $OUT/sizes);
+# the table is printed last.
 source bench/gpu_env.sh
 export LOGS=${LOGS:-$OUT/sizes} DURATION=${DURATION:-10}
-export SIZES=${SIZES:-32 16 8 4 1} DECODE=${DECODE:-4}
+export SIZES=${SIZES:-32 16 8 4 1}
+[ -n "${DECODE:-}" ] && VARIANTS=$(for d in $DECODE; do printf 'd=%s ' "$d"; done)
+export VARIANTS=${VARIANTS:-shipped}
 mkdir -p "$LOGS"
 timeout 150 raystream export --repository models --if-missing 2>&1 | tail -1
 
-load() {  # load NAME IMAGES_PER_REQUEST [SECONDS]
-  local b=$2 p=1
-  [ "$b" -lt 8 ] && p=$(( 8 / b ))
-  timeout 90 raystream bench --batch-size "$b" --rate "$(python3 -c "print(5000 / $b)")" \
-    --streams "$p" --processes "$p" --connections 8 --spread --duration "${3:-$DURATION}" \
-    --out "$LOGS/$1" 2>&1 | grep -v INFO > "$LOGS/$1.txt"
+run=0
+load() {  # load VARIANT LABEL BENCH_ARGS...: one load, listed in $LOGS/runs.txt for the table
+  local variant=$1 label=$2; shift 2
+  run=$((run + 1))
+  timeout 90 raystream bench --spread --duration "$DURATION" --out "$LOGS/$run" "$@" 2>&1 \
+    | grep -v INFO > "$LOGS/$run.txt"
+  echo "$run $variant $label" >> "$LOGS/runs.txt"
 }
 
-for d in $DECODE; do
-  python3 - "$d" <<'PY'
+half() {  # half VARIANT LABEL IMAGES_PER_REQUEST[@IMG_PER_S] CONNECTIONS: Poisson arrivals
+  local b=${3%@*} rate=5000 p=1
+  [[ $3 == *@* ]] && rate=${3#*@}
+  [ "$b" -lt 8 ] && p=$(( 8 / b ))
+  load "$1" "$2" --batch-size "$b" --rate "$(python3 -c "print($rate / $b)")" \
+    --streams "$p" --processes "$p" --connections "$4"
+}
+
+for v in $VARIANTS; do
+  name=${v//[=,]/}
+  replicas=$(python3 - "$v" "/tmp/direct-$name.yaml" <<'PY'
 import sys, yaml
+changes = dict(c.split("=") for c in sys.argv[1].split(",") if "=" in c)
 config = yaml.safe_load(open("deploy/serve_config.gpu-direct.yaml"))
-ingress = next(d for d in config["applications"][0]["deployments"] if d["name"] == "Ingress")
-ingress["user_config"]["decode_concurrency"] = int(sys.argv[1])
-yaml.safe_dump(config, open(f"/tmp/direct-d{sys.argv[1]}.yaml", "w"))
+app = config["applications"][0]
+ingress = next(d for d in app["deployments"] if d["name"] == "Ingress")
+if "d" in changes:
+    ingress["user_config"]["decode_concurrency"] = int(changes["d"])
+if "r" in changes:
+    n = int(changes["r"])
+    ingress["num_replicas"] = n
+    ingress["ray_actor_options"].update(num_gpus=1 / n, num_cpus=max(1, 16 // n))
+if "c" in changes:
+    app["args"]["engine"]["options"]["compile_min_batch"] = int(changes["c"])
+yaml.safe_dump(config, open(sys.argv[2], "w"))
+print(ingress["num_replicas"])
 PY
+)
   CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} raystream serve \
-    --config "/tmp/direct-d$d.yaml" > "$LOGS/d$d.serve.log" 2>&1 &
+    --config "/tmp/direct-$name.yaml" > "$LOGS/$name.serve.log" 2>&1 &
   pid=$! started=$SECONDS
-  for i in $(seq 300); do
-    grep -q "raystream ready" "$LOGS/d$d.serve.log" && break
+  for i in $(seq 400); do
+    grep -q "raystream ready" "$LOGS/$name.serve.log" && break
     kill -0 $pid 2>/dev/null || break
     sleep 1
   done
-  grep "raystream ready" "$LOGS/d$d.serve.log" || { tail -30 "$LOGS/d$d.serve.log"; exit 1; }
-  echo "decode_concurrency $d: ready after $((SECONDS - started)) s"
-  load "d$d-b32" 32 5  # warm-up, overwritten below when 32 is among the sizes
-  for b in $SIZES; do load "d$d-b$b" "$b"; done
+  grep "raystream ready" "$LOGS/$name.serve.log" || { tail -30 "$LOGS/$name.serve.log"; exit 1; }
+  echo "$v ($replicas replicas): ready after $((SECONDS - started)) s"
+  half "$v" warm-up 32 "$replicas"
+  for b in $SIZES; do half "$v" "$b" "$b" "$replicas"; done
+  for label in ${SATURATE:+warm-up saturated}; do
+    load "$v" "$label" --batch-size 32 --streams 16 --in-flight 16 --processes 8 \
+      --connections "$replicas"
+  done
   kill -INT $pid; sleep 8
   python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
 done
@@ -50,16 +83,18 @@ done
 python3 - <<'PY'
 import json, os
 logs = os.environ["LOGS"]
-print("decode calls  images/request  served img/s  p50 ms  p99 ms  server ms: total / decode / engine  batch")
-for d in os.environ["DECODE"].split():
-    for b in map(int, os.environ["SIZES"].split()):
-        path = f"{logs}/d{d}-b{b}/bench.json"
-        if not os.path.exists(path):
-            print(f"{d:>12}  {b:>14}  no report")
-            continue
-        r = json.load(open(path))["reports"][0]
-        lat, s = r["latency_ms"], r["server_ms"]
-        print(f"{d:>12}  {b:>14}  {r['images_per_s']:12.0f}  {lat['p50']:6.1f}  {lat['p99']:6.1f}"
-              f"  {s.get('total_ms', 0):6.1f} / {s.get('preprocess_ms', 0):5.1f} / {s.get('inference_ms', 0):4.1f}"
-              f"  {r['mean_batch_size']:5.1f}  errors {r['errors'] or 0}")
+print("variant        images/request  served img/s  p50 ms  p99 ms  server ms: total / decode / engine  batch")
+for line in open(f"{logs}/runs.txt"):
+    run, variant, label = line.split()
+    if label == "warm-up":
+        continue
+    path = f"{logs}/{run}/bench.json"
+    if not os.path.exists(path):
+        print(f"{variant:<14}  {label:>14}  no report")
+        continue
+    r = json.load(open(path))["reports"][0]
+    lat, s = r["latency_ms"], r["server_ms"]
+    print(f"{variant:<14}  {label:>14}  {r['images_per_s']:12.0f}  {lat['p50']:6.1f}  {lat['p99']:6.1f}"
+          f"  {s.get('total_ms', 0):6.1f} / {s.get('preprocess_ms', 0):5.1f} / {s.get('inference_ms', 0):4.1f}"
+          f"  {r['mean_batch_size']:5.1f}  errors {r['errors'] or 0}")
 PY
