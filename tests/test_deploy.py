@@ -2,6 +2,7 @@
 configs by Serve's schema and by raystream's AppConfig; `raystream serve` reports config
 errors before starting anything, and serves and stops as a user runs it."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,38 @@ def test_serve_configs_are_valid(path: Path) -> None:
     if topology == "chained":
         expected |= {"Preprocess", "Postprocess"}
     assert names <= expected, f"{path.name} configures deployments its topology lacks"
+
+
+# The smallest host each shipped config is for: the 2-core CPU box, or one H200 with 16 cores
+# (the `nvidia-h200` machine, docs/benchmarks.md).
+CPU_HOST, GPU_HOST = {"CPU": 2, "GPU": 0}, {"CPU": 16, "GPU": 1}
+
+
+@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
+def test_serve_configs_leave_room_for_the_redeploy_surge(path: Path) -> None:
+    """With max_surge_percent, a redeploy starts the new replicas before the old ones stop,
+    and when Ray has no room for them "old replicas keep serving while replacements wait"
+    (Serve's schema): the redeploy never finishes. So every config must fit its host with
+    the surge replicas too."""
+    from serve_app import ingress, stages
+
+    defaults = {
+        "Ingress": ingress.Ingress,
+        "Preprocess": stages.Preprocess,
+        "Inference": stages.Inference,
+        "Postprocess": stages.Postprocess,
+    }
+    deployments = yaml.safe_load(path.read_text())["applications"][0]["deployments"]
+    need = {"CPU": 0.0, "GPU": 0.0}
+    for d in deployments:
+        options = d.get("ray_actor_options", defaults[d["name"]].ray_actor_options)
+        replicas = d.get("num_replicas", 1)
+        replicas += math.ceil(replicas * d.get("max_surge_percent", 0) / 100)
+        need["CPU"] += replicas * options.get("num_cpus", 1)
+        need["GPU"] += replicas * options.get("num_gpus", 0)
+    host = GPU_HOST if any("num_gpus" in str(d) for d in deployments) else CPU_HOST
+    for resource, count in host.items():
+        assert need[resource] <= count + 1e-9, f"{path.name} needs {need} during a redeploy"
 
 
 def test_serve_direct_gives_the_ingress_inferences_settings() -> None:
