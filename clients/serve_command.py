@@ -58,6 +58,10 @@ def _serve_config(path: Path, overrides: dict) -> tuple[dict, object]:
                     d.setdefault("user_config", inference["user_config"])
                 gpus = inference.get("ray_actor_options", {}).get("num_gpus")
                 if gpus:
+                    # A redeploy starts the surge's replicas before the old ones stop; with
+                    # no GPU share left for them it never finishes. Ray's share is
+                    # bookkeeping, so ask for less and leave that room.
+                    gpus /= 1 + d.get("max_surge_percent", 0) / 100
                     d.setdefault("ray_actor_options", {}).setdefault("num_gpus", gpus)
     app["deployments"] = deployments
     try:
