@@ -28,7 +28,7 @@ from pathlib import Path
 
 import grpc
 
-from clients.spread import StreamFn, as_async, error_response, spread
+from clients.spread import STREAM_ENDED, StreamFn, as_async, error_response, spread
 from raystream.v1 import classifier_pb2 as pb
 from raystream.v1 import classifier_pb2_grpc as pb_grpc
 
@@ -101,7 +101,7 @@ class Client:
         UNAVAILABLE (its replica draining in a redeploy, or gone) carries on over a new
         connection, which waits up to `connect_timeout` for a server to answer if the old
         one had answered a request OK (else it gives up in about 2 s); a request answered
-        UNAVAILABLE (or INTERNAL: clients/spread.py) is sent again, on another connection
+        UNAVAILABLE, or left unanswered by the failed stream, is sent again, on another connection
         where there is one, up to `resends` times. Without it, such a stream ends with that
         status, each request it left unanswered answered with it. `token`: sent as
         `authorization: Bearer <token>`. `tls_ca`: connect with TLS, trusting this CA (PEM
@@ -344,7 +344,7 @@ class Client:
         except grpc.aio.AioRpcError as exc:
             sender.cancel()
             await asyncio.gather(sender, return_exceptions=True)
-            message = f"the stream ended before this request was answered: {exc.details()}"
+            message = f"{STREAM_ENDED}: {exc.details()}"
             for request_id, count in unanswered.items():
                 for _ in range(count):
                     yield error_response(request_id, exc.code(), message)

@@ -32,8 +32,22 @@ Reopen = Callable[[int, bool], Awaitable[StreamFn]]
 REOPEN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL})
 MAX_REOPENS = 3  # in a row, with no request answered OK in between
 
+# The message of each request a failed stream answers for itself (clients/client.py).
+STREAM_ENDED = "the stream ended before this request was answered"
+
 _LANE_DONE = object()
-_RESEND_CODES = frozenset(code.value[0] for code in REOPEN_CODES)
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+_REOPEN_CODES = frozenset(code.value[0] for code in REOPEN_CODES)
+
+
+def _may_resend(error: pb.Error) -> bool:
+    """A request answered UNAVAILABLE (its replica is going away), or left unanswered by a
+    stream that failed with one of REOPEN_CODES, was not classified and may go again. A
+    server's own INTERNAL answer is that request's failure: sending it again would only
+    repeat it."""
+    if error.code == _UNAVAILABLE:
+        return True
+    return error.code in _REOPEN_CODES and error.message.startswith(STREAM_ENDED)
 
 
 async def as_async(items: AsyncIterable[Any] | Iterable[Any]) -> AsyncIterator[Any]:
@@ -88,10 +102,11 @@ async def spread(
     every request is answered, the first failure of a lane that left is raised, as one
     stream raises its own.
 
-    With `resends`, a request answered with one of REOPEN_CODES (its replica is draining,
-    or went away before answering) is sent again on another stream (with `reopen` and no
-    other stream open, on its own stream's replacement), up to that many times, instead of
-    answered: a classification has no side effects, so running it twice is harmless."""
+    With `resends`, a request answered UNAVAILABLE (its replica is draining), or left
+    unanswered by a stream that failed with one of REOPEN_CODES, is sent again on another
+    stream (with `reopen` and no other stream open, on its own stream's replacement), up to
+    that many times, instead of answered: a classification has no side effects, so running
+    it twice is harmless."""
     lanes = [_Lane(stream) for stream in streams]
     responses: asyncio.Queue = asyncio.Queue()
     # Backpressure, as one stream's write gives: at most one request per lane taken from
@@ -166,9 +181,7 @@ async def spread(
                         lane.unanswered -= 1
                         if not response.error.code:
                             failed_in_a_row, answered_ok = 0, True
-                        elif response.error.code in _RESEND_CODES and resend(
-                            response.request_id, lane
-                        ):
+                        elif _may_resend(response.error) and resend(response.request_id, lane):
                             continue
                         responses.put_nowait(response)
                     return

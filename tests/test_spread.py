@@ -242,6 +242,43 @@ async def test_requests_not_yet_sent_move_to_another_stream_or_fail_when_none_is
     assert all(m == "no connection left to send this request on: gone" for m in unsent)
 
 
+async def test_a_servers_own_internal_answer_is_not_sent_again() -> None:
+    """Answered INTERNAL by the server, a request failed there and goes back to the caller;
+    left unanswered by a stream that failed INTERNAL (grpc/grpc#36066), it goes again."""
+    from clients.spread import STREAM_ENDED
+
+    internal, empty = grpc.StatusCode.INTERNAL, grpc.aio.Metadata()
+    failing_server, cut, served = [], [], []
+
+    async def server_fails_each(requests):
+        async for request in requests:
+            failing_server.append(request.request_id)
+            yield error_response(request.request_id, internal, "engine failed")
+
+    async def stream_cut(requests):
+        async for request in requests:
+            cut.append(request.request_id)
+            yield error_response(request.request_id, internal, f"{STREAM_ENDED}: core")
+            raise grpc.aio.AioRpcError(internal, empty, empty, "core")
+
+    answered = [
+        r async for r in spread([server_fails_each, _answering(served)], _requests(10), resends=2)
+    ]
+    assert sorted(int(r.request_id) for r in answered) == list(range(10))  # once each
+    engine_failed = [r for r in answered if r.error.message == "engine failed"]
+    assert len(engine_failed) == len(failing_server) > 0  # answered as the server did
+    assert len(served) == 10 - len(failing_server)  # none of them sent again
+
+    served.clear()
+    answered = []
+    with pytest.raises(grpc.aio.AioRpcError):  # a lane that left: raised once all answered
+        async for response in spread([stream_cut, _answering(served)], _requests(10), resends=2):
+            answered.append(response)
+    assert sorted(int(r.request_id) for r in answered) == list(range(10))
+    assert not any(r.error.code for r in answered)  # the cut one went to the other stream
+    assert len(cut) == 1 and sorted(served, key=int) == [str(i) for i in range(10)]
+
+
 async def test_a_stream_that_keeps_failing_is_reopened_a_few_times_then_leaves() -> None:
     from clients.spread import MAX_REOPENS
 
