@@ -11,6 +11,7 @@ import pytest
 
 from clients.client import Client
 from raystream.v1 import classifier_pb2 as pb
+from raystream.v1 import classifier_pb2_grpc as pb_grpc
 
 from conftest import start_app
 
@@ -21,7 +22,7 @@ MAX_MESSAGE_BYTES = 256 * 1024
 
 
 @pytest.fixture(scope="module", params=["fused", "chained"])
-def slow_server(request, ray_cluster, model_repository):
+def slow_server(request, ray_cluster, model_repository, photos):
     from ray import serve
 
     port, _ = start_app(
@@ -31,7 +32,14 @@ def slow_server(request, ray_cluster, model_repository):
         engine={"kind": "echo", "options": {"delay_ms": ENGINE_DELAY_MS}},
         limits={"max_message_bytes": MAX_MESSAGE_BYTES},
     )
-    yield f"127.0.0.1:{port}"
+    address = f"127.0.0.1:{port}"
+    # One request through the new replicas first: a cold first call (Ray handles, the first
+    # decode) can take longer than the tests' 50 ms between requests, and then "busy" and
+    # "late" reach the engine together instead of "late" waiting behind "busy".
+    with grpc.insecure_channel(address) as channel:
+        warm = pb.ClassifyRequest(request_id="warm-up", images=[photos["coffee"]])
+        assert pb_grpc.ImageClassifierStub(channel).ClassifyOnce(warm).error.code == 0
+    yield address
     serve.delete("slow")
 
 
