@@ -10,8 +10,12 @@
 #   d=N  user_config's decode_concurrency (nvJPEG calls at once per replica; shipped 4)
 #   r=N  N replicas, each 1/N of the GPU and 16/N CPUs for Ray's accounting (shipped 8)
 #   c=N  the engine's graphs torch.compile'd from batch N up (shipped 32)
+#   base the server from another checkout of the code, $BASE (default build/base: e.g.
+#        `git archive <commit> | tar -x -C build/base`, carried to the GPU machine), with
+#        the same load generator: an A/B of a code change in one lease
 # e.g. VARIANTS="d=1 d=1,r=16 d=1,c=8"; DECODE="4 1" is short for VARIANTS="d=4 d=1".
-# A size listed twice runs twice; "8@6000" sends 6,000 img/s instead of 5,000. SATURATE=1 adds, per variant, the saturating closed loop
+# A size listed twice runs twice; "8@6000" sends 6,000 img/s instead of 5,000, and "8p2" (or
+# "8@6000p2") sends from two load-generator processes. SATURATE=1 adds, per variant, the saturating closed loop
 # (16 streams x 16 requests of 32 in flight from 8 processes, spread over every replica),
 # twice, the first as warm-up. Logs and bench.json files go to $LOGS (default $OUT/sizes);
 # the table is printed last.
@@ -28,14 +32,16 @@ load() {  # load VARIANT LABEL BENCH_ARGS...: one load, listed in $LOGS/runs.txt
   local variant=$1 label=$2; shift 2
   run=$((run + 1))
   timeout 90 raystream bench --spread --duration "$DURATION" --out "$LOGS/$run" "$@" 2>&1 \
-    | grep -v INFO > "$LOGS/$run.txt"
+    | grep -v INFO | tee "$LOGS/$run.txt" | grep "img/s" | sed "s/^ */$run $variant $label: /"
   echo "$run $variant $label" >> "$LOGS/runs.txt"
 }
 
-half() {  # half VARIANT LABEL IMAGES_PER_REQUEST[@IMG_PER_S] CONNECTIONS: Poisson arrivals
-  local b=${3%@*} rate=5000 p=1
-  [[ $3 == *@* ]] && rate=${3#*@}
+half() {  # half VARIANT LABEL IMAGES_PER_REQUEST[@IMG_PER_S][pPROCESSES] CONNECTIONS
+  local size=${3%p*} b rate=5000 p=1
+  b=${size%@*}
+  [[ $size == *@* ]] && rate=${size#*@}
   [ "$b" -lt 8 ] && p=$(( 8 / b ))
+  [[ $3 == *p* ]] && p=${3#*p}
   load "$1" "$2" --batch-size "$b" --rate "$(python3 -c "print($rate / $b)")" \
     --streams "$p" --processes "$p" --connections "$4"
 }
@@ -60,8 +66,14 @@ yaml.safe_dump(config, open(sys.argv[2], "w"))
 print(ingress["num_replicas"])
 PY
 )
-  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} raystream serve \
-    --config "/tmp/direct-$name.yaml" > "$LOGS/$name.serve.log" 2>&1 &
+  code=$PWD
+  if [[ ,$v, == *,base,* ]]; then
+    code=$(realpath "${BASE:-build/base}")
+    [ -e "$code/models" ] || ln -sfn "$PWD/models" "$code/models"
+  fi
+  (cd "$code" && exec env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" \
+    PYTHONPATH="/tmp/site:$code:$code/protos" raystream serve \
+    --config "/tmp/direct-$name.yaml" > "$LOGS/$name.serve.log" 2>&1) &
   pid=$! started=$SECONDS
   for i in $(seq 400); do
     grep -q "raystream ready" "$LOGS/$name.serve.log" && break
@@ -83,7 +95,7 @@ done
 python3 - <<'PY'
 import json, os
 logs = os.environ["LOGS"]
-print("variant        images/request  served img/s  p50 ms  p99 ms  server ms: total / decode / engine  batch")
+print("variant        images/request  served img/s  p50 ms  p99 ms  server p99  server ms: total / decode / engine  batch")
 for line in open(f"{logs}/runs.txt"):
     run, variant, label = line.split()
     if label == "warm-up":
@@ -94,7 +106,8 @@ for line in open(f"{logs}/runs.txt"):
         continue
     r = json.load(open(path))["reports"][0]
     lat, s = r["latency_ms"], r["server_ms"]
-    print(f"{variant:<14}  {label:>14}  {r['images_per_s']:12.0f}  {lat['p50']:6.1f}  {lat['p99']:6.1f}"
+    server_p99 = r.get("server_total_ms", {}).get("p99", 0)
+    print(f"{variant:<14}  {label:>14}  {r['images_per_s']:12.0f}  {lat['p50']:6.1f}  {lat['p99']:6.1f}  {server_p99:10.1f}"
           f"  {s.get('total_ms', 0):6.1f} / {s.get('preprocess_ms', 0):5.1f} / {s.get('inference_ms', 0):4.1f}"
           f"  {r['mean_batch_size']:5.1f}  errors {r['errors'] or 0}")
 PY

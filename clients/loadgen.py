@@ -62,6 +62,9 @@ class Report:
     errors: dict[str, int]  # gRPC code name -> requests or images with that error
     server_ms: dict[str, float]  # mean queue / preprocess / inference / postprocess / total
     mean_batch_size: float
+    # p50 / p99 of the server's own total per request (Timing.total_ms): the rest of the
+    # end-to-end latency is the network and the client, this process included
+    server_total_ms: dict[str, float] = field(default_factory=dict)
     offered: dict = field(default_factory=dict)
 
     def line(self) -> str:
@@ -69,8 +72,8 @@ class Report:
         return (
             f"{self.images_per_s:9.1f} img/s {self.requests_per_s:8.1f} req/s  p50 "
             f"{lat['p50']:7.2f}  p90 {lat['p90']:7.2f}  p99 {lat['p99']:7.2f}  max "
-            f"{lat['max']:7.2f} ms  batch {self.mean_batch_size:5.1f}  errors "
-            f"{self.errors or 0}"
+            f"{lat['max']:7.2f} ms  (server p99 {self.server_total_ms.get('p99', 0):6.2f})  "
+            f"batch {self.mean_batch_size:5.1f}  errors {self.errors or 0}"
         )
 
 
@@ -110,6 +113,7 @@ class _Recorder:
         self.latencies: list[float] = []
         self.errors: collections.Counter[str] = collections.Counter()
         self.server: collections.defaultdict[str, float] = collections.defaultdict(float)
+        self.server_totals: list[float] = []
         self.batch_sizes: list[int] = []
         self.images = 0
 
@@ -125,6 +129,7 @@ class _Recorder:
         t = response.timing
         for key in ("queue_ms", "preprocess_ms", "inference_ms", "postprocess_ms", "total_ms"):
             self.server[key] += getattr(t, key)
+        self.server_totals.append(t.total_ms)
         self.batch_sizes.append(t.batch_size)
 
     def merge(self, other: _Recorder) -> None:
@@ -132,6 +137,7 @@ class _Recorder:
         self.errors.update(other.errors)
         for key, value in other.server.items():
             self.server[key] += value
+        self.server_totals += other.server_totals
         self.batch_sizes += other.batch_sizes
         self.images += other.images
 
@@ -358,6 +364,11 @@ def _report(recorder: _Recorder, elapsed: float, workload: Workload, replicas: l
         server_ms={k: v / count for k, v in recorder.server.items()},
         mean_batch_size=float(np.mean(recorder.batch_sizes or [0])),
         offered=offered,
+        server_total_ms={
+            f"p{p}": float(np.percentile(recorder.server_totals, p))
+            for p in (50, 99)
+            if recorder.server_totals
+        },
     )
 
 

@@ -242,6 +242,9 @@ async def test_load_generator_reports_what_it_sent(server, photos, tmp_path: Pat
     assert report.requests == 10 and not report.errors
     assert report.images_per_s > 0 and report.mean_batch_size >= 2
     assert report.latency_ms["p50"] <= report.latency_ms["p99"] <= report.latency_ms["max"]
+    # The server's own share of each request, inside the end-to-end time.
+    server_ms = report.server_total_ms
+    assert 0 < server_ms["p50"] <= server_ms["p99"] <= report.latency_ms["max"]
     plot_sweep([report, report], tmp_path / "sweep.png", "test")
     # The model input instead of the images (the server decodes nothing).
     from clients.loadgen import model_input
@@ -255,6 +258,7 @@ async def test_load_generator_reports_what_it_sent(server, photos, tmp_path: Pat
     report = await run_load(server, replace(workload, connections=2), processes=2)
     assert report.requests == 10 and not report.errors and report.images_per_s > 0
     assert report.offered["processes"] == 2 and report.offered["ingress_replicas"] == 1
+    assert 0 < report.server_total_ms["p99"] <= report.latency_ms["max"]  # merged processes
     # Open loop at a low rate: arrivals due after the end are not waited for.
     report = await run_load(
         server, replace(workload, rate=1.0, streams=4, duration_s=3, max_requests=None)
