@@ -99,6 +99,8 @@ class GraphEngine(Engine):
 
     def _run(self, slot: Slot, n: int, fill: Fill) -> np.ndarray:
         lo = 0
+        # Input the caller made on its own stream (crops joined on the GPU) is ready first.
+        slot.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.inference_mode(), torch.cuda.stream(slot.stream):
             for bucket in self.planner.plan(n):
                 count = min(bucket, n - lo)
@@ -120,21 +122,31 @@ class GraphEngine(Engine):
 
             return self._run(slot, n, fill)
 
-    def infer_uint8(self, images: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
-        """Upload uint8 crops (a quarter of float32's bytes) and normalize on the GPU."""
+    def infer_uint8(
+        self, images: np.ndarray | torch.Tensor, mean: np.ndarray, std: np.ndarray
+    ) -> np.ndarray:
+        """Upload uint8 crops (a quarter of float32's bytes) and normalize on the GPU. Crops
+        already on this device (a tensor: serve_app/gpu_decode.py) are read where they are."""
         c, h, w = self.info.input_shape
         n = len(images)
-        if not 1 <= n <= self.info.max_batch_size or images.shape[1:] != (h, w, c):
+        on_device = isinstance(images, torch.Tensor)
+        if not 1 <= n <= self.info.max_batch_size or tuple(images.shape[1:]) != (h, w, c):
+            if on_device:
+                raise ValueError(f"crops must be (1..{self.info.max_batch_size}, {h}, {w}, {c})")
             return super().infer_uint8(images, mean, std)  # the base class's checks and errors
         if self._scale is None:
             self._scale = torch.tensor(1.0 / (255.0 * std), device=self.device).view(1, -1, 1, 1)
             self._shift = torch.tensor(mean / std, device=self.device).view(1, -1, 1, 1)
         with self._slot() as slot:
-            slot.host_u8[:n].numpy()[...] = images
+            if not on_device:
+                slot.host_u8[:n].numpy()[...] = images
 
             def fill(graph: CapturedGraph, lo: int, hi: int, count: int) -> None:
-                pixels = slot.device_u8[lo:hi]
-                pixels.copy_(slot.host_u8[lo:hi], non_blocking=True)
+                if on_device:
+                    pixels = images[lo:hi]
+                else:
+                    pixels = slot.device_u8[lo:hi]
+                    pixels.copy_(slot.host_u8[lo:hi], non_blocking=True)
                 graph.input[:count].copy_(
                     pixels.permute(0, 3, 1, 2).float().mul_(self._scale).sub_(self._shift)
                 )

@@ -33,7 +33,9 @@ class Preprocessed:
 
     count: int  # images in the request
     # uint8 (len(indices), H, W, 3) crops; or, from a client that preprocessed them itself
-    # (Open Inference Protocol), float32 (len(indices), 3, H, W) as the model takes them
+    # (Open Inference Protocol), float32 (len(indices), 3, H, W) as the model takes them.
+    # In a GPU inference replica after decode: gpu, the crops are a torch tensor on the GPU
+    # (never sent over Ray).
     pixels: np.ndarray
     indices: tuple[int, ...]  # request position of each row of `pixels`
     failures: tuple[ImageFailure, ...]

@@ -185,6 +185,15 @@ DECODE_BATCH_IMAGES = 32
 DECODE_PIECE = DECODE_BATCH_IMAGES
 
 
+ON_DEVICE = "on device"  # pixels kind: uint8 crops already on the GPU (a torch tensor)
+
+
+def _input_kind(pixels) -> object:
+    """Which batcher a request's pixels join: np.uint8 or np.float32 host arrays (crops,
+    client-preprocessed input), or ON_DEVICE for GPU-decoded crops left on the GPU."""
+    return pixels.dtype.type if isinstance(pixels, np.ndarray) else ON_DEVICE
+
+
 def _warm_engine(config: AppConfig, model: ModelRef) -> Engine:
     engine = create_engine(
         config.engine.kind,
@@ -267,16 +276,20 @@ class Inference:
         self._batching = BatchingConfig()
         self._metrics = InferenceMetrics()
         self._images_inferred = 0
-        # Crops (uint8) and client-preprocessed tensors (float32) batch separately.
+        # GPU-decoded crops stay on the GPU when the engine is there (no copy to the host
+        # and back: the decode thread hands the engine device memory).
+        self._crops_on_device = self._engine.info.device != "cpu"
+        # Crops (uint8), client-preprocessed tensors (float32) and crops already on the GPU
+        # batch separately (_input_kind).
         self._batchers = {
-            dtype: DynamicBatcher(
+            kind: DynamicBatcher(
                 self._run_engine,
                 len,
                 max_batch_size=self._batching.max_batch_size,
                 max_concurrent=MAX_CONCURRENT_BATCHES,
                 max_queued=self._batching.max_queued_images,
             )
-            for dtype in (np.uint8, np.float32)
+            for kind in (np.uint8, np.float32, ON_DEVICE)
         }
         for batcher in self._batchers.values():
             batcher.set_concurrency(self._default_concurrency)
@@ -337,12 +350,19 @@ class Inference:
         batch wait now in use (the adaptive mode moves it)."""
         return {**self._batching.model_dump(), "wait_s": self._batchers[np.uint8].max_delay_s}
 
-    async def _run_engine(self, chunks: list[np.ndarray]) -> list[_Ran]:
+    async def _run_engine(self, chunks: list) -> list[_Ran]:
         """One engine batch from several requests' pixels; split back per request."""
         start = time.perf_counter()
-        pixels = np.concatenate(chunks)
+        kind = _input_kind(chunks[0])
+        if kind is ON_DEVICE:
+            import torch  # only replicas with decode: gpu get here
+
+            # (on this thread's stream, which GPU engines wait for before reading)
+            pixels = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        else:
+            pixels = np.concatenate(chunks)
         loop = asyncio.get_running_loop()
-        if pixels.dtype == np.float32:  # preprocessed by the client
+        if kind is np.float32:  # preprocessed by the client
             logits = await loop.run_in_executor(self._executor, self._engine.infer, pixels)
         else:
             logits = await loop.run_in_executor(
@@ -366,13 +386,13 @@ class Inference:
     async def _serve_batch(self, items: list[_Queued]) -> list[_Ran]:
         return await self._run_engine([item.pixels for item in items])
 
-    async def _submit(self, chunk: np.ndarray, deadline: float | None) -> tuple[_Ran, float]:
+    async def _submit(self, chunk, deadline: float | None) -> tuple[_Ran, float]:
         """Run one chunk in a batch: (its result, ms it queued)."""
-        if self._batching.batcher == "serve" and chunk.dtype == np.uint8:
+        if self._batching.batcher == "serve" and _input_kind(chunk) is np.uint8:
             # @serve.batch has no deadlines: checked before queueing
             ran = await self._serve_batch(_Queued(chunk, time.perf_counter()))
             return ran, 0.0
-        return await self._batchers[chunk.dtype.type].submit(chunk, deadline)
+        return await self._batchers[_input_kind(chunk)].submit(chunk, deadline)
 
     async def classify_many(
         self, items: list[tuple[Preprocessed, int, bool]]
@@ -393,32 +413,34 @@ class Inference:
         return postprocess(inferred, top_k, self._spec.labels, scores)
 
     async def _decode_jpegs(self, pre: Preprocessed) -> Preprocessed:
-        """decode: gpu: turn the request's encoded JPEGs into crops beside its other pixels."""
+        """decode: gpu: turn the request's encoded JPEGs into crops beside its other pixels
+        (on the GPU when the engine is there)."""
+        from serve_app.gpu_decode import Crops, with_host_crops
+
         start = time.perf_counter()
         decoded = await _in_pieces(
             lambda jpegs: self._decode_batcher.submit(list(jpegs), pre.deadline),
             pre.jpegs,
             DECODE_PIECE,
         )
-        crops = [crop for piece, _ in decoded for crop in piece]
-        good = [
-            (i, c)
-            for i, c in zip(pre.jpeg_indices, crops, strict=True)
-            if isinstance(c, np.ndarray)
-        ]
+        crops = Crops.concat([piece for piece, _ in decoded])
+        if not self._crops_on_device:
+            pixels = np.concatenate([pre.pixels, crops.pixels.cpu().numpy()])
+        elif len(pre.pixels):
+            pixels = with_host_crops(pre.pixels, crops.pixels)
+        else:
+            pixels = crops.pixels
         bad = tuple(
-            ImageFailure(i, int(c.code), str(c))
-            for i, c in zip(pre.jpeg_indices, crops, strict=True)
-            if not isinstance(c, np.ndarray)
+            ImageFailure(pre.jpeg_indices[i], int(error.code), str(error))
+            for i, error in crops.errors
         )
-        pixels = np.concatenate([pre.pixels, *(c[None] for _, c in good)])
         timing = dataclasses.replace(
             pre.timing, preprocess_ms=pre.timing.preprocess_ms + _ms_since(start)
         )
         return dataclasses.replace(
             pre,
             pixels=pixels,
-            indices=pre.indices + tuple(i for i, _ in good),
+            indices=pre.indices + tuple(pre.jpeg_indices[i] for i in crops.good),
             failures=pre.failures + bad,
             timing=timing,
             jpegs=(),
@@ -442,8 +464,8 @@ class Inference:
             logits = np.empty((0, self._spec.num_classes), np.float32)
             return Inferred(pre.count, logits, pre.indices, pre.failures, pre.timing)
         shape = self._engine.info.input_shape
-        expected = shape if pre.pixels.dtype == np.float32 else (*shape[1:], 3)
-        if pre.pixels.dtype not in (np.uint8, np.float32) or pre.pixels.shape[1:] != expected:
+        expected = shape if _input_kind(pre.pixels) is np.float32 else (*shape[1:], 3)
+        if _input_kind(pre.pixels) not in self._batchers or pre.pixels.shape[1:] != expected:
             raise InvalidArgument(
                 f"pixels must be uint8 (N, {shape[1]}, {shape[2]}, 3) or float32 "
                 f"(N, {', '.join(map(str, shape))}), got {pre.pixels.dtype} {pre.pixels.shape}"

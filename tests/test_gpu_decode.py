@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import io
 
@@ -53,37 +54,50 @@ def test_nvjpeg_crops_match_the_cpu_path(model, photos) -> None:
     spec = model.spec.preprocess
     decoder = GpuJpegDecoder(spec, DecodeLimits())
     jpegs = [photos[n] for n in ("chelsea", "coffee", "astronaut", "rocket")]
-    for jpeg, crop in zip(jpegs, decoder.crops(jpegs), strict=True):
+    crops = decoder.crops(jpegs)
+    assert crops.pixels.is_cuda and crops.pixels.shape == (4, 224, 224, 3)
+    assert crops.good == (0, 1, 2, 3) and crops.errors == ()
+    for jpeg, crop in zip(jpegs, crops.pixels.cpu().numpy(), strict=True):
         reference = decode(jpeg, spec).astype(np.int16)
-        assert crop.shape == (224, 224, 3) and crop.dtype == np.uint8
         assert np.abs(crop.astype(np.int16) - reference).mean() < 3.0
     # A JPEG nvJPEG rejects fails alone, with the CPU path's message.
-    good, bad = decoder.crops([jpegs[0], b"\xff\xd8\xff\xdb" + b"\x00" * 64 + b"\xff\xd9"])
-    assert isinstance(good, np.ndarray) and isinstance(bad, Exception)
+    crops = decoder.crops([jpegs[0], b"\xff\xd8\xff\xdb" + b"\x00" * 64 + b"\xff\xd9"])
+    assert crops.good == (0,) and crops.pixels.is_cuda and len(crops.pixels) == 1
+    assert [i for i, _ in crops.errors] == [1] and "corrupt" in str(crops.errors[0][1])
     both = decoder.crops_many([jpegs[:1], jpegs[1:]])
-    assert [len(c) for c in both] == [1, 3]
+    assert [len(c.pixels) for c in both] == [1, 3]
 
 
-def test_crops_batched_by_size_equal_one_at_a_time(model, photos) -> None:
-    """The GPU path's resize + crop, run here on CPU tensors: grouping images of one size
-    into one call changes nothing, and the crops match the CPU path's."""
+def test_crops_of_mixed_sizes_in_one_batch_equal_one_at_a_time(model, photos) -> None:
+    """The GPU path's resize + crop, run here on CPU tensors: a batch of mixed sizes (padded
+    into one pair of matrix products) gives each image's crop as alone, and the crops match
+    the CPU path's, for shrinking, enlarging (a photo smaller than the crop) and tall images."""
     from serve_app.gpu_decode import crop_batch
     from serve_app.preprocessing import decode
 
-    spec = model.spec.preprocess
-    names = ["chelsea", "coffee", "chelsea", "astronaut", "coffee"]  # repeated sizes group
+    rng = np.random.default_rng(0)
+    small = encode(rng.integers(0, 256, (100, 150, 3), dtype=np.uint8), "PNG")
+    tall = encode(np.asarray(Image.open(io.BytesIO(photos["coffee"])))[:, :200], "PNG")
+    encoded = [photos[n] for n in ("chelsea", "coffee", "chelsea", "astronaut")] + [small, tall]
     images = [
-        torch.from_numpy(np.array(Image.open(io.BytesIO(photos[n])).convert("RGB")))
+        torch.from_numpy(np.array(Image.open(io.BytesIO(data)).convert("RGB")))
         .permute(2, 0, 1)
         .contiguous()
-        for n in names
+        for data in encoded
     ]
-    batched = crop_batch(images, spec)
-    assert batched.shape == (5, 3, 224, 224) and batched.dtype == torch.uint8
-    for image, crop, name in zip(images, batched, names, strict=True):
-        assert torch.equal(crop_batch([image], spec)[0], crop)
-        reference = decode(photos[name], spec).astype(np.int16)
-        assert np.abs(crop.permute(1, 2, 0).numpy().astype(np.int16) - reference).mean() < 3.0
+    # Without crop padding the filters reach the image's edges, past which nothing counts.
+    for spec in (
+        model.spec.preprocess,
+        dataclasses.replace(model.spec.preprocess, resize_size=224),
+    ):
+        batched = crop_batch(images, spec)
+        assert batched.shape == (6, 224, 224, 3) and batched.dtype == torch.uint8
+        for image, crop, data in zip(images, batched, encoded, strict=True):
+            # alone, its window is not padded: sums in another order, a grey level apart at most
+            alone = crop_batch([image], spec)[0]
+            assert (alone.int() - crop.int()).abs().max() <= 1
+            difference = np.abs(crop.numpy().astype(np.int16) - decode(data, spec))
+            assert difference.mean() < 3.0 and difference[[0, -1]].mean() < 3.0  # edge rows
 
 
 def _pil_decode_jpeg(data, mode, device):
@@ -100,7 +114,7 @@ def _pil_decode_jpeg(data, mode, device):
 
 
 def test_requests_decode_together_and_a_bad_jpeg_fails_alone(model, photos) -> None:
-    from serve_app.gpu_decode import GpuJpegDecoder
+    from serve_app.gpu_decode import Crops, GpuJpegDecoder
     from serve_app.preprocessing import DecodeLimits, decode
 
     spec = model.spec.preprocess
@@ -115,17 +129,22 @@ def test_requests_decode_together_and_a_bad_jpeg_fails_alone(model, photos) -> N
     second = [photos["rocket"], photos["chelsea"], photos["astronaut"]]
     crops = decoder.crops_many([first, second])
     assert calls == [5]  # one call for both requests
-    assert [len(c) for c in crops] == [2, 3]
-    for jpeg, crop in zip(first + second, crops[0] + crops[1], strict=True):
+    assert [c.good for c in crops] == [(0, 1), (0, 1, 2)]
+    pixels = torch.cat([c.pixels for c in crops]).numpy()
+    for jpeg, crop in zip(first + second, pixels, strict=True):
         reference = decode(jpeg, spec).astype(np.int16)
         assert np.abs(crop.astype(np.int16) - reference).mean() < 3.0
     calls.clear()
     bad = [photos["coffee"], b"\xff\xd8\xff\xdb" + b"\x00" * 64 + b"\xff\xd9"]
     crops = decoder.crops_many([first, bad, second])
     assert calls == [7, 2, 2, 3]  # all, then each request; the bad one goes one by one
-    assert [len(c) for c in crops] == [2, 2, 3]
-    assert isinstance(crops[1][0], np.ndarray) and isinstance(crops[1][1], Exception)
-    assert all(isinstance(c, np.ndarray) for c in crops[0] + crops[2])
+    assert [c.good for c in crops] == [(0, 1), (0,), (0, 1, 2)]
+    assert [len(c.pixels) for c in crops] == [2, 1, 3]
+    assert [i for i, _ in crops[1].errors] == [1] and not crops[0].errors + crops[2].errors
+    # A request decoded in pieces is joined back, positions and errors included.
+    whole = Crops.concat([crops[0], crops[1], crops[2]])
+    assert whole.good == (0, 1, 2, 4, 5, 6) and [i for i, _ in whole.errors] == [3]
+    assert torch.equal(whole.pixels[2], crops[1].pixels[0])
 
 
 async def test_inference_replica_decodes_waiting_requests_together(
@@ -177,3 +196,40 @@ async def test_inference_replica_decodes_waiting_requests_together(
     assert sorted(calls) == [6, 32, 32]
     top = [o.labels[0].class_id for o in answer.outcomes]
     assert all(t in CATS for t in top[::2]) and all(t in COFFEE for t in top[1::2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU_DECODE, reason="needs a CUDA GPU and torchvision (nvJPEG)")
+async def test_gpu_replica_keeps_crops_on_the_gpu_and_answers_each_image(
+    model_repository, photos
+) -> None:
+    """The real decoder and torch-CUDA engine in one Inference replica: requests that mix
+    GPU-decoded JPEGs with CPU-decoded images and junk, batched together and one split in
+    decode pieces, each get their own labels in their own order."""
+    from serve_app.config import BatchingConfig, EngineConfig
+    from serve_app.stages import Inference
+
+    config = AppConfig(
+        model_repository=model_repository,
+        decode="gpu",
+        engine=EngineConfig(kind="torch-cuda", max_batch_size=64),
+    )
+    replica = Inference.func_or_class.__new__(Inference.func_or_class)
+    await replica.__init__(config.model_dump())
+    replica.reconfigure(BatchingConfig(max_batch_size=64, decode_concurrency=2).model_dump())
+    png = encode(np.asarray(Image.open(io.BytesIO(photos["coffee"]))), "PNG")
+    requests = [
+        [photos["chelsea"], photos["coffee"]],  # all on the GPU
+        [png, photos["chelsea"], b"junk"],  # CPU crops ahead of GPU ones, and a failure
+        [photos["chelsea"], photos["coffee"]] * 20,  # two decode pieces (32 + 8)
+    ]
+    preprocessor = Preprocessor(config)
+    pres = [await preprocessor.run(images) for images in requests]
+    answers = await asyncio.gather(*(replica(pre, 1) for pre in pres))
+    top = [
+        [o.labels[0].class_id if o.labels else o.failure.code for o in a.outcomes] for a in answers
+    ]
+    assert top[0][0] in CATS and top[0][1] in COFFEE
+    assert top[1][0] in COFFEE and top[1][1] in CATS and top[1][2] == 3
+    assert all(t in CATS for t in top[2][::2]) and all(t in COFFEE for t in top[2][1::2])
+    assert replica.images_inferred() == 2 + 2 + 40
