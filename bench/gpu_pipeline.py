@@ -69,9 +69,9 @@ def _pipeline(repository: Path, model: str, batch: int, options: dict):
 
 
 def _crop_per_size(images: list[torch.Tensor], spec) -> torch.Tensor:
-    """The resize + crop that serve_app/gpu_decode.py used before its batched matrix
-    products: one antialiased `interpolate` per distinct image size, kept here as the
-    baseline (its results are within a grey level of crop_batch's)."""
+    """The resize + crop that serve_app/gpu_decode.py used before 2026-12-01, kept as the
+    baseline: the same crops as crop_batch, but scattered into the output with a list of
+    rows per distinct size (a host-to-GPU copy of the list and a stream wait each)."""
     import torch.nn.functional as F
 
     size = spec.input_size

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from engines.repository import PreprocessSpec
 from serve_app.errors import InvalidImage
@@ -117,75 +118,33 @@ def with_host_crops(host: np.ndarray, crops: torch.Tensor) -> torch.Tensor:
 
 
 def crop_batch(images: list[torch.Tensor], spec: PreprocessSpec) -> torch.Tensor:
-    """(3, H, W) uint8 images of any sizes -> (N, S, S, 3) uint8 crops (the engine's layout):
-    shorter side to resize_size, center crop S, in the same dozen or so kernel launches for
-    any mix of sizes.
+    """(3, H, W) uint8 images -> (N, S, S, 3) uint8 crops (the engine's layout): shorter side
+    to resize_size, center crop S.
 
-    Antialiased bilinear resizing is separable: each output row is a weighted sum of a few
-    input rows, with the weights of a triangle filter widened by the shrink factor (PIL's,
-    and torch's `antialias=True`), and the same for columns. So an image's resize and crop
-    is `Wy @ image @ Wx.T`, where Wy (S, h) and Wx (S, w) hold the weights of the cropped rows
-    and columns over the window of h x w input pixels they read. The windows are copied
-    into one padded batch and both products run batched; the weights are made on the device
-    from each image's filter centres (zero past its window), so nothing large is uploaded.
-
-    Grouping by size and calling `F.interpolate` per size (the code before this) cost ~8
-    launches and a stream synchronization per distinct size (bench/gpu_pipeline.py).
+    Images of the same size resize in one call (catalog photos often share a size), so the
+    kernel launches grow with the number of distinct sizes, not of images. Each crop is
+    copied to its row on its own: scattering with a list of rows (`out[rows] = ...`) would
+    copy the list to the GPU and wait for the stream, once per size.
     """
-    device = images[0].device
-    n, size = len(images), spec.input_size
-    axes = [_crop_axes(image.shape[1], image.shape[2], spec) for image in images]
-    rows_k = max(rows.length for rows, _ in axes)
-    cols_k = max(cols.length for _, cols in axes)
-    windows = torch.empty((n, 3, rows_k, cols_k), dtype=torch.uint8, device=device)
-    for window, image, (rows, cols) in zip(windows, images, axes, strict=True):
-        window[:, : rows.length, : cols.length].copy_(
-            image[:, rows.start : rows.start + rows.length, cols.start : cols.start + cols.length]
+    size = spec.input_size
+    out = torch.empty((len(images), size, size, 3), dtype=torch.uint8, device=images[0].device)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for index, image in enumerate(images):
+        groups.setdefault(tuple(image.shape[1:]), []).append(index)
+    for (height, width), indices in groups.items():
+        scale = spec.resize_size / min(width, height)
+        new_h = max(size, round(height * scale))
+        new_w = max(size, round(width * scale))
+        same = (
+            torch.stack([images[i] for i in indices])
+            if len(indices) > 1
+            else images[indices[0]][None]
         )
-    # One upload: per axis and image, the crop's filter centres, the filter scale, the window
-    # length. fp16 products on the GPU (pixels are exact in fp16; ~0.1 grey level of error).
-    params = np.array(
-        [[[*a.centers, a.scale, a.length] for a in axis] for axis in zip(*axes, strict=True)],
-        dtype=np.float32,
-    )
-    params = torch.from_numpy(params)
-    if device.type == "cuda":
-        params = params.pin_memory().to(device, non_blocking=True)
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
-    centers, scale, length = (
-        params[..., :size, None],
-        params[..., size, None, None],
-        params[..., size + 1, None, None],
-    )
-    k = torch.arange(max(rows_k, cols_k), device=device, dtype=torch.float32)
-    weights = (1.0 - ((k + 0.5 - centers) / scale).abs()).clamp_(min=0.0) * (k < length)
-    weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)  # (2, n, S, K)
-    rows_w, cols_w = weights[0, :, None, :, :rows_k], weights[1, :, None, :, :cols_k]
-    crops = rows_w @ windows.to(dtype) @ cols_w.transpose(-1, -2)  # (n, 3, S, S)
-    out = torch.empty((n, size, size, 3), dtype=torch.uint8, device=device)
-    return out.copy_(crops.round_().clamp_(0, 255).permute(0, 2, 3, 1))
-
-
-@dataclass(frozen=True)
-class _Axis:
-    start: int  # first input pixel the crop reads
-    length: int  # input pixels read
-    centers: np.ndarray  # (S,) filter centre of each output pixel, from `start`
-    scale: float  # the filter's width: the shrink factor, at least 1
-
-
-def _crop_axes(height: int, width: int, spec: PreprocessSpec) -> tuple[_Axis, _Axis]:
-    """Rows and columns of the shorter-side resize + center crop, as torch's antialiased
-    `interpolate` and PIL compute them (a filter of support `scale` around each centre)."""
-    shrink = spec.resize_size / min(width, height)
-    axes = []
-    for in_size in (height, width):
-        out_size = max(spec.input_size, round(in_size * shrink))
-        offset = (out_size - spec.input_size) // 2
-        step = in_size / out_size
-        scale = max(step, 1.0)
-        centers = (offset + np.arange(spec.input_size) + 0.5) * step
-        start = max(int(centers[0] - scale + 0.5), 0)
-        stop = min(int(centers[-1] + scale + 0.5), in_size)
-        axes.append(_Axis(start, stop - start, centers - start, scale))
-    return axes[0], axes[1]
+        resized = F.interpolate(
+            same.float(), size=(new_h, new_w), mode="bilinear", antialias=True, align_corners=False
+        )
+        top, left = (new_h - size) // 2, (new_w - size) // 2
+        crops = resized[:, :, top : top + size, left : left + size].round_().clamp_(0, 255)
+        for index, crop in zip(indices, crops.permute(0, 2, 3, 1), strict=True):
+            out[index].copy_(crop)
+    return out

@@ -185,7 +185,10 @@ DECODE_BATCH_IMAGES = 32
 DECODE_PIECE = DECODE_BATCH_IMAGES
 
 
-ON_DEVICE = "on device"  # pixels kind: uint8 crops already on the GPU (a torch tensor)
+# pixels kind: uint8 crops already on the GPU (a torch tensor). Compared with ==, never `is`:
+# a replica may hold this module's constants twice (pickled by value), and an `is` test sent
+# every request to the host path on the H200 (2026-12-01).
+ON_DEVICE = "on device"
 
 
 def _input_kind(pixels) -> object:
@@ -354,7 +357,7 @@ class Inference:
         """One engine batch from several requests' pixels; split back per request."""
         start = time.perf_counter()
         kind = _input_kind(chunks[0])
-        if kind is ON_DEVICE:
+        if kind == ON_DEVICE:
             import torch  # only replicas with decode: gpu get here
 
             # (on this thread's stream, which GPU engines wait for before reading)
@@ -362,7 +365,7 @@ class Inference:
         else:
             pixels = np.concatenate(chunks)
         loop = asyncio.get_running_loop()
-        if kind is np.float32:  # preprocessed by the client
+        if kind == np.float32:  # preprocessed by the client
             logits = await loop.run_in_executor(self._executor, self._engine.infer, pixels)
         else:
             logits = await loop.run_in_executor(
@@ -388,7 +391,7 @@ class Inference:
 
     async def _submit(self, chunk, deadline: float | None) -> tuple[_Ran, float]:
         """Run one chunk in a batch: (its result, ms it queued)."""
-        if self._batching.batcher == "serve" and _input_kind(chunk) is np.uint8:
+        if self._batching.batcher == "serve" and _input_kind(chunk) == np.uint8:
             # @serve.batch has no deadlines: checked before queueing
             ran = await self._serve_batch(_Queued(chunk, time.perf_counter()))
             return ran, 0.0
@@ -464,7 +467,7 @@ class Inference:
             logits = np.empty((0, self._spec.num_classes), np.float32)
             return Inferred(pre.count, logits, pre.indices, pre.failures, pre.timing)
         shape = self._engine.info.input_shape
-        expected = shape if _input_kind(pre.pixels) is np.float32 else (*shape[1:], 3)
+        expected = shape if _input_kind(pre.pixels) == np.float32 else (*shape[1:], 3)
         if _input_kind(pre.pixels) not in self._batchers or pre.pixels.shape[1:] != expected:
             raise InvalidArgument(
                 f"pixels must be uint8 (N, {shape[1]}, {shape[2]}, 3) or float32 "
