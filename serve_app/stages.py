@@ -427,7 +427,7 @@ class Inference:
             DECODE_PIECE,
         )
         crops = Crops.concat([piece for piece, _ in decoded])
-        if not self._crops_on_device:
+        if not (self._crops_on_device and crops.pixels.is_cuda):
             pixels = np.concatenate([pre.pixels, crops.pixels.cpu().numpy()])
         elif len(pre.pixels):
             pixels = with_host_crops(pre.pixels, crops.pixels)

@@ -48,6 +48,7 @@ async def test_gpu_mode_passes_plain_jpegs_on_encoded(model_repository, photos) 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU_DECODE, reason="needs a CUDA GPU and torchvision (nvJPEG)")
 def test_nvjpeg_crops_match_the_cpu_path(model, photos) -> None:
+    from serve_app.errors import InvalidImage
     from serve_app.gpu_decode import GpuJpegDecoder
     from serve_app.preprocessing import DecodeLimits, decode
 
@@ -61,9 +62,12 @@ def test_nvjpeg_crops_match_the_cpu_path(model, photos) -> None:
         reference = decode(jpeg, spec).astype(np.int16)
         assert np.abs(crop.astype(np.int16) - reference).mean() < 3.0
     # A JPEG nvJPEG rejects fails alone, with the CPU path's message.
-    crops = decoder.crops([jpegs[0], b"\xff\xd8\xff\xdb" + b"\x00" * 64 + b"\xff\xd9"])
+    junk = b"\xff\xd8\xff\xdb" + b"\x00" * 64 + b"\xff\xd9"
+    crops = decoder.crops([jpegs[0], junk])
     assert crops.good == (0,) and crops.pixels.is_cuda and len(crops.pixels) == 1
-    assert [i for i, _ in crops.errors] == [1] and "corrupt" in str(crops.errors[0][1])
+    with pytest.raises(InvalidImage) as cpu_error:
+        decode(junk, spec)
+    assert [(i, str(e)) for i, e in crops.errors] == [(1, str(cpu_error.value))]
     both = decoder.crops_many([jpegs[:1], jpegs[1:]])
     assert [len(c.pixels) for c in both] == [1, 3]
 
