@@ -58,9 +58,9 @@ class GpuJpegDecoder:
         return self.crops_many([jpegs])[0]
 
     def crops_many(self, requests: list[list[bytes]]) -> list[Crops]:
-        """Several requests' JPEGs in one batched decode and one batched resize + crop.
-        The crops stay on the GPU (the engine takes them there) and are complete when this
-        returns, so any thread or stream may read them."""
+        """Several requests' JPEGs in one batched decode, then resized and cropped together
+        (one call per distinct image size). The crops stay on the GPU (the engine takes them
+        there) and are complete when this returns, so any thread or stream may read them."""
         with torch.cuda.stream(self._thread_stream()):
             crops = self._crops_many(requests)
             if self._device.type == "cuda":

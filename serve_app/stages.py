@@ -213,7 +213,7 @@ def _images_in(items: list[_Queued]) -> int:
     return sum(len(item.pixels) for item in items)
 
 
-Items = TypeVar("Items", tuple, np.ndarray)  # a request's JPEGs, or its pixels
+Items = TypeVar("Items")  # a request's JPEGs, or its pixels (an array, or a tensor on the GPU)
 R = TypeVar("R")
 
 
