@@ -50,6 +50,19 @@ def _may_resend(error: pb.Error) -> bool:
     return error.code in _REOPEN_CODES and error.message.startswith(STREAM_ENDED)
 
 
+def _out_of_reach(ended: grpc.aio.AioRpcError, dial: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
+    """The failure of a stream that ended and could not reconnect: UNAVAILABLE (no server
+    within reach), whatever code ended it (grpcio reports a server's shutdown as INTERNAL at
+    times, grpc/grpc#36066) or the dial that found nobody (DEADLINE_EXCEEDED when it waited
+    for a server)."""
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        ended.initial_metadata(),
+        ended.trailing_metadata(),
+        f"{ended.details()}; reconnecting failed: {dial.code().name} {dial.details()}",
+    )
+
+
 async def as_async(items: AsyncIterable[Any] | Iterable[Any]) -> AsyncIterator[Any]:
     if isinstance(items, AsyncIterable):
         async for item in items:
@@ -199,8 +212,8 @@ async def spread(
                     lane.reopening = True
                     try:
                         lane.stream = await reopen(index, answered_ok)
-                    except grpc.aio.AioRpcError:
-                        failures.append(exc)
+                    except grpc.aio.AioRpcError as dial:
+                        failures.append(_out_of_reach(exc, dial))
                         return
                     finally:
                         lane.reopening = False

@@ -279,6 +279,39 @@ async def test_a_servers_own_internal_answer_is_not_sent_again() -> None:
     assert len(cut) == 1 and sorted(served, key=int) == [str(i) for i in range(10)]
 
 
+async def test_a_stream_that_cannot_reconnect_fails_unavailable_whatever_ended_it() -> None:
+    """One connection whose stream ends INTERNAL (how grpcio reports some shutdowns,
+    grpc/grpc#36066) and whose server is gone: the requests it left unanswered, and those
+    never sent, are answered UNAVAILABLE, and so is the stream's error (a flaky failure of
+    tests/test_redeploy.py's delete test, 2026-12-01)."""
+    from clients.spread import STREAM_ENDED
+
+    internal, empty = grpc.StatusCode.INTERNAL, grpc.aio.Metadata()
+
+    async def cut_after_two(requests):
+        count = 0
+        async for request in requests:
+            count += 1
+            if count > 2:
+                yield error_response(request.request_id, internal, f"{STREAM_ENDED}: core")
+                raise grpc.aio.AioRpcError(internal, empty, empty, "Internal error from Core")
+            yield pb.ClassifyResponse(request_id=request.request_id)
+
+    async def nobody_there(index: int, wait: bool):
+        raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, empty, empty, "no server")
+
+    answered = []
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        async for response in spread([cut_after_two], _requests(6), nobody_there, resends=2):
+            answered.append(response)
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "Internal error from Core" in failed.value.details()
+    assert "DEADLINE_EXCEEDED no server" in failed.value.details()
+    assert sorted(int(r.request_id) for r in answered) == list(range(len(answered)))
+    codes = collections.Counter(r.error.code for r in answered)
+    assert codes[0] == 2 and set(codes) == {0, grpc.StatusCode.UNAVAILABLE.value[0]}
+
+
 async def test_a_stream_that_keeps_failing_is_reopened_a_few_times_then_leaves() -> None:
     from clients.spread import MAX_REOPENS
 
