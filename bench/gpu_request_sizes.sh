@@ -8,16 +8,16 @@
 # sends a few thousand requests/s at most). VARIANTS starts the server once per variant, a
 # comma-separated list of changes to deploy/serve_config.gpu-direct.yaml ("shipped": none):
 #   d=N  user_config's decode_concurrency (nvJPEG calls at once per replica; shipped 4)
-#   r=N  N replicas, each 1/N of the GPU and 16/N CPUs for Ray's accounting (shipped 8)
-#   c=N  the engine's graphs torch.compile'd from batch N up (shipped 32)
+#   r=N  N replicas, each 1/N of the GPU and 16/N CPUs for Ray's accounting (shipped 16)
+#   c=N  the engine's graphs torch.compile'd from batch N up (shipped 8)
 #   base the server from another checkout of the code, $BASE (default build/base: e.g.
 #        `git archive <commit> | tar -x -C build/base`, carried to the GPU machine), with
 #        the same load generator: an A/B of a code change in one lease
 # e.g. VARIANTS="d=1 d=1,r=16 d=1,c=8"; DECODE="4 1" is short for VARIANTS="d=4 d=1".
 # A size listed twice runs twice; "8@6000" sends 6,000 img/s instead of 5,000, and "8p2" (or
-# "8@6000p2") sends from two load-generator processes. SATURATE=1 adds, per variant, the saturating closed loop
-# (16 streams x 16 requests of 32 in flight from 8 processes, spread over every replica),
-# twice, the first as warm-up. Logs and bench.json files go to $LOGS (default $OUT/sizes);
+# "8@6000p2") sends from two load-generator processes. SATURATE=1 adds, per variant, the
+# saturating closed loop (16 streams x 16 requests of 32 in flight from 8 processes, spread
+# over every replica), twice, the first as warm-up. Logs and bench.json files go to $LOGS (default $OUT/sizes);
 # the table is printed last.
 source bench/gpu_env.sh
 export LOGS=${LOGS:-$OUT/sizes} DURATION=${DURATION:-10}
