@@ -44,12 +44,10 @@ def test_serve_configs_are_valid(path: Path) -> None:
 CPU_HOST, GPU_HOST = {"CPU": 2, "GPU": 0}, {"CPU": 16, "GPU": 1}
 
 
-@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
-def test_serve_configs_leave_room_for_the_redeploy_surge(path: Path) -> None:
-    """With max_surge_percent, a redeploy starts the new replicas before the old ones stop,
-    and when Ray has no room for them "old replicas keep serving while replacements wait"
-    (Serve's schema): the redeploy does not finish. So every config must fit its host with
-    the surge replicas too."""
+def _redeploy_need(deployments: list[dict]) -> dict[str, float]:
+    """CPUs and GPUs that Ray must find while a redeploy runs: each deployment's replicas
+    (autoscaled ones at their minimum) plus the surge of new ones started before the old
+    stop (`max_surge_percent`)."""
     from serve_app import ingress, stages
 
     defaults = {
@@ -58,17 +56,46 @@ def test_serve_configs_leave_room_for_the_redeploy_surge(path: Path) -> None:
         "Inference": stages.Inference,
         "Postprocess": stages.Postprocess,
     }
-    deployments = yaml.safe_load(path.read_text())["applications"][0]["deployments"]
     need = {"CPU": 0.0, "GPU": 0.0}
     for d in deployments:
         options = d.get("ray_actor_options", defaults[d["name"]].ray_actor_options)
-        replicas = d.get("num_replicas", 1)
+        replicas = d.get("autoscaling_config", {}).get("min_replicas", d.get("num_replicas", 1))
         replicas += math.ceil(replicas * d.get("max_surge_percent", 0) / 100)
         need["CPU"] += replicas * options.get("num_cpus", 1)
         need["GPU"] += replicas * options.get("num_gpus", 0)
+    return need
+
+
+@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
+def test_serve_configs_leave_room_for_the_redeploy_surge(path: Path) -> None:
+    """With max_surge_percent, a redeploy starts the new replicas before the old ones stop,
+    and when Ray has no room for them "old replicas keep serving while replacements wait"
+    (Serve's schema): the redeploy does not finish. So every config must fit its host with
+    the surge replicas too."""
+    need = _redeploy_need(yaml.safe_load(path.read_text())["applications"][0]["deployments"])
     host = GPU_HOST if need["GPU"] > 0 else CPU_HOST
     for resource, count in host.items():
         assert need[resource] <= count + 1e-9, f"{path.name} needs {need} during a redeploy"
+
+
+def test_the_kuberay_service_leaves_room_for_the_redeploy_surge() -> None:
+    """The same for deploy/rayservice.yaml, against its cluster at its smallest: the head pod
+    and the GPU group's minReplicas worker pods (Ray counts a pod's CPU and GPU limits). In
+    total only: that each replica fits on one pod is not checked."""
+    service = yaml.safe_load((ROOT / "deploy" / "rayservice.yaml").read_text())["spec"]
+    serve_config = yaml.safe_load(service["serveConfigV2"])
+    need = _redeploy_need(serve_config["applications"][0]["deployments"])
+    cluster = service["rayClusterConfig"]
+    pods = [(1, cluster["headGroupSpec"])]
+    pods += [(group["minReplicas"], group) for group in cluster["workerGroupSpecs"]]
+    have = {"CPU": 0.0, "GPU": 0.0}
+    for count, group in pods:
+        [container] = group["template"]["spec"]["containers"]
+        limits = container["resources"]["limits"]
+        have["CPU"] += count * float(limits["cpu"])
+        have["GPU"] += count * float(limits.get("nvidia.com/gpu", 0))
+    for resource, count in have.items():
+        assert need[resource] <= count + 1e-9, f"rayservice.yaml needs {need}, has {have}"
 
 
 def test_serve_direct_gives_the_ingress_inferences_settings() -> None:
