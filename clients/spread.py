@@ -50,11 +50,16 @@ def _may_resend(error: pb.Error) -> bool:
     return error.code in _REOPEN_CODES and error.message.startswith(STREAM_ENDED)
 
 
-def _out_of_reach(ended: grpc.aio.AioRpcError, dial: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
-    """The failure of a stream that ended and could not reconnect: UNAVAILABLE (no server
-    within reach), whatever code ended it (grpcio reports a server's shutdown as INTERNAL at
-    times, grpc/grpc#36066) or the dial that found nobody (DEADLINE_EXCEEDED when it waited
-    for a server)."""
+def _reconnect_failure(
+    ended: grpc.aio.AioRpcError, dial: grpc.aio.AioRpcError
+) -> grpc.aio.AioRpcError:
+    """The failure of a stream that ended and could not reconnect. A server that answered
+    the dial said why (UNAUTHENTICATED, say): that is the failure. Otherwise no server is in
+    reach: UNAVAILABLE, whatever code ended the stream (grpcio reports a server's shutdown
+    as INTERNAL at times, grpc/grpc#36066) and whether the dial was refused or timed out
+    waiting (DEADLINE_EXCEEDED)."""
+    if dial.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return dial
     return grpc.aio.AioRpcError(
         grpc.StatusCode.UNAVAILABLE,
         ended.initial_metadata(),
@@ -213,7 +218,7 @@ async def spread(
                     try:
                         lane.stream = await reopen(index, answered_ok)
                     except grpc.aio.AioRpcError as dial:
-                        failures.append(_out_of_reach(exc, dial))
+                        failures.append(_reconnect_failure(exc, dial))
                         return
                     finally:
                         lane.reopening = False

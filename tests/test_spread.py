@@ -283,7 +283,9 @@ async def test_a_stream_that_cannot_reconnect_fails_unavailable_whatever_ended_i
     """One connection whose stream ends INTERNAL (how grpcio reports some shutdowns,
     grpc/grpc#36066) and whose server is gone: the requests it left unanswered, and those
     never sent, are answered UNAVAILABLE, and so is the stream's error (a flaky failure of
-    tests/test_redeploy.py's delete test, 2026-12-01)."""
+    tests/test_redeploy.py's delete test, 2026-12-01). A server that refuses the new
+    connection with a reason (a wrong token) gives that reason instead (the same race
+    failed tests/test_security.py's token test)."""
     from clients.spread import STREAM_ENDED
 
     internal, empty = grpc.StatusCode.INTERNAL, grpc.aio.Metadata()
@@ -310,6 +312,17 @@ async def test_a_stream_that_cannot_reconnect_fails_unavailable_whatever_ended_i
     assert sorted(int(r.request_id) for r in answered) == list(range(len(answered)))
     codes = collections.Counter(r.error.code for r in answered)
     assert codes[0] == 2 and set(codes) == {0, grpc.StatusCode.UNAVAILABLE.value[0]}
+
+    async def refused(index: int, wait: bool):
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAUTHENTICATED, empty, empty, "bad token")
+
+    answered = []
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        async for response in spread([cut_after_two], _requests(6), refused, resends=2):
+            answered.append(response)
+    assert failed.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert sorted(int(r.request_id) for r in answered) == list(range(len(answered)))
+    assert {r.error.code for r in answered} == {0, grpc.StatusCode.UNAUTHENTICATED.value[0]}
 
 
 async def test_a_stream_that_keeps_failing_is_reopened_a_few_times_then_leaves() -> None:
