@@ -278,7 +278,12 @@ class _FatalErrorWatch:
     cannot fix (a missing GPU, model or engine): Serve would retry the constructor for
     minutes; raystream stops at the first one and says why."""
 
-    PATTERN = re.compile(r"(engines\.base\.EngineError|ModelNotFoundError|ValidationError): (.+)")
+    # ... or an ingress that cannot bind its port: the port was free when `raystream serve`
+    # checked, and another process took it before the replica bound it.
+    PATTERN = re.compile(
+        r"(engines\.base\.EngineError|ModelNotFoundError|ValidationError): (.+)"
+        r"|RuntimeError: (Failed to bind to address [^;\s]+)"
+    )
 
     def __init__(self, output) -> None:
         self.error: str | None = None
@@ -291,7 +296,7 @@ class _FatalErrorWatch:
             sys.stdout.flush()
             match = self.PATTERN.search(line)
             if match and self.error is None:
-                self.error = match.group(2).strip()
+                self.error = (match.group(2) or f"{match.group(3)}: is the port in use?").strip()
 
 
 async def _describe(address: str, app) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import random
 import socket
 from pathlib import Path
 
@@ -68,9 +69,18 @@ def ray_cluster():
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range (32768 up) and above Ray's worker ports
+    (10002-19999). A port found by binding port 0 is an ephemeral one, which the Ray
+    processes a test starts may take before the test's server binds it (a clean-clone run,
+    2026-12-01: the ingress could not bind, and `raystream serve` waited ten minutes)."""
+    for port in random.sample(range(20000, 32768), 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,8 @@ import yaml
 
 from serve_app.config import AppConfig
 
+from conftest import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 SERVE_CONFIGS = sorted((ROOT / "deploy").glob("serve_config*.yaml"))
 
@@ -146,6 +148,25 @@ def test_serve_reports_config_errors_before_starting_anything() -> None:
     busy.close()
 
 
+def test_serve_stops_when_the_ingress_cannot_bind_its_port() -> None:
+    """Another process took the port after `raystream serve` found it free: Serve would
+    retry the replica and never be ready; raystream stops at the first such error."""
+    import io
+    import time
+
+    from clients.serve_command import _FatalErrorWatch
+
+    line = (
+        "(ServeReplica:raystream:Ingress pid=7) RuntimeError: Failed to bind to address "
+        "127.0.0.1:46515; set GRPC_VERBOSITY=debug environment variable to see more\n"
+    )
+    watch = _FatalErrorWatch(io.StringIO(line))
+    deadline = time.monotonic() + 5
+    while watch.error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert watch.error == "Failed to bind to address 127.0.0.1:46515: is the port in use?"
+
+
 def test_kuberay_rayservice_embeds_a_valid_serve_config() -> None:
     from ray.serve.schema import ServeDeploySchema
 
@@ -172,9 +193,7 @@ def test_raystream_serve_starts_serves_and_stops(model_repository, photos, tmp_p
     import sys
     import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen(
         [
             sys.executable,
