@@ -3,9 +3,9 @@
     python bench/gpu_pipeline.py --repository models --layouts 1x1 1x4 2x4 4x4
 
 Runs what an inference replica with `decode: gpu` does to a request of `--batch` JPEGs
-(the built-in photos): batched nvJPEG decode and the batched resize + crop
-(serve_app/gpu_decode.py), then the torch-CUDA engine on the crops where they are (normalize,
-graph replay). It prints
+(the built-in photos): batched nvJPEG decode and the resize + crop, one call per distinct
+image size (serve_app/gpu_decode.py), then the torch-CUDA engine on the crops where they are
+(normalize, graph replay). It prints
 
 1. each stage's time for one batch, one thread (wall clock, the GPU synchronized; medians),
    with its GPU busy time and kernel count, beside the code it replaced (marked "before":

@@ -357,11 +357,13 @@ class Inference:
         """One engine batch from several requests' pixels; split back per request."""
         start = time.perf_counter()
         kind = _input_kind(chunks[0])
-        if kind == ON_DEVICE:
+        if len(chunks) == 1:
+            pixels = chunks[0]
+        elif kind == ON_DEVICE:
             import torch  # only replicas with decode: gpu get here
 
             # (on this thread's stream, which GPU engines wait for before reading)
-            pixels = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+            pixels = torch.cat(chunks)
         else:
             pixels = np.concatenate(chunks)
         loop = asyncio.get_running_loop()
@@ -467,8 +469,9 @@ class Inference:
             logits = np.empty((0, self._spec.num_classes), np.float32)
             return Inferred(pre.count, logits, pre.indices, pre.failures, pre.timing)
         shape = self._engine.info.input_shape
-        expected = shape if _input_kind(pre.pixels) == np.float32 else (*shape[1:], 3)
-        if _input_kind(pre.pixels) not in self._batchers or pre.pixels.shape[1:] != expected:
+        kind = _input_kind(pre.pixels)
+        expected = shape if kind == np.float32 else (*shape[1:], 3)
+        if kind not in self._batchers or pre.pixels.shape[1:] != expected:
             raise InvalidArgument(
                 f"pixels must be uint8 (N, {shape[1]}, {shape[2]}, 3) or float32 "
                 f"(N, {', '.join(map(str, shape))}), got {pre.pixels.dtype} {pre.pixels.shape}"
