@@ -22,6 +22,7 @@ import asyncio
 import collections
 import functools
 import itertools
+import operator
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ REPLICA_METADATA = "raystream-replica"  # serve_app/ingress.py sets it on GetMod
 # one of R replicas sharing the port, so 8R dials all miss a given one with a chance < 0.04%.
 DIALS_PER_REPLICA = 8
 
-__all__ = ["Client", "ImageResult", "Label", "status_name"]
+__all__ = ["Client", "EncodedRequest", "ImageResult", "Label", "status_name"]
 
 
 def status_name(code: int) -> str:
@@ -63,6 +64,41 @@ class ImageResult:
     @property
     def ok(self) -> bool:
         return self.error_code == 0
+
+
+@dataclass(frozen=True)
+class EncodedRequest:
+    """A ClassifyRequest already serialized, and its id: `stream` and `classify_once` send
+    its bytes as they are. For a sender of many alike requests (the load generator), which
+    encodes each image once and each request's id anew: encodings joined one after another
+    parse as one message holding the fields of all."""
+
+    request_id: str
+    data: bytes
+
+    def SerializeToString(self) -> bytes:  # protobuf's name: the stub calls it
+        return self.data
+
+
+Request = pb.ClassifyRequest | EncodedRequest
+# The request serializer of _stub's Classify and ClassifyOnce: a message or an EncodedRequest
+_SERIALIZE = operator.methodcaller("SerializeToString")
+
+
+def _stub(channel: grpc.aio.Channel) -> pb_grpc.ImageClassifierStub:
+    """The generated stub, with Classify and ClassifyOnce also taking an EncodedRequest."""
+    stub = pb_grpc.ImageClassifierStub(channel)
+    for name, method in (
+        ("Classify", channel.stream_stream),
+        ("ClassifyOnce", channel.unary_unary),
+    ):
+        call = method(
+            f"/raystream.v1.ImageClassifier/{name}",
+            request_serializer=_SERIALIZE,
+            response_deserializer=pb.ClassifyResponse.FromString,
+        )
+        setattr(stub, name, call)
+    return stub
 
 
 Item = bytes | str | Path | tuple[object, bytes]
@@ -139,7 +175,7 @@ class Client:
     async def __aenter__(self) -> Client:
         if self._wanted == 1:
             self._channels.append(self._channel())
-            self._stubs.append(pb_grpc.ImageClassifierStub(self._channels[-1]))
+            self._stubs.append(_stub(self._channels[-1]))
         else:
             try:
                 await self._open_spread()
@@ -172,7 +208,7 @@ class Client:
         restarting)."""
         for dial in range(1, dials + 1):
             channel = self._channel()
-            stub = pb_grpc.ImageClassifierStub(channel)
+            stub = _stub(channel)
             try:
                 replica = await self._replica_of(stub, self._connect_timeout, wait)
             except grpc.aio.AioRpcError as exc:
@@ -200,7 +236,7 @@ class Client:
                 return
             self._replicas[len(self._channels)] = replica
             self._channels.append(channel)
-            self._stubs.append(pb_grpc.ImageClassifierStub(channel))
+            self._stubs.append(_stub(channel))
 
     async def _reopen(self, index: int, wait: bool) -> StreamFn:
         """A stream on a new connection in place of connection `index`, whose stream failed
@@ -212,7 +248,7 @@ class Client:
         channel, replica = await self._dial(others, DIALS_PER_REPLICA, wait=wait)
         old = self._channels[index]
         self._channels[index] = channel
-        self._stubs[index] = pb_grpc.ImageClassifierStub(channel)
+        self._stubs[index] = _stub(channel)
         self._replicas[index] = replica
         await old.close()
         return functools.partial(self._stream_on, self._stubs[index])
@@ -274,13 +310,17 @@ class Client:
         return next((value for key, value in trailing or () if key == REPLICA_METADATA), "")
 
     async def classify_once(
-        self, images: list[bytes] | pb.ClassifyRequest, *, top_k: int = 5, model: str = ""
+        self,
+        images: list[bytes] | pb.ClassifyRequest | EncodedRequest,
+        *,
+        top_k: int = 5,
+        model: str = "",
     ) -> pb.ClassifyResponse:
         """Unary call on `images` (or on a ready-made request), on the connection with the
         fewest unary calls in flight (ties take turns)."""
         request = (
             images
-            if isinstance(images, pb.ClassifyRequest)
+            if isinstance(images, pb.ClassifyRequest | EncodedRequest)
             else pb.ClassifyRequest(
                 request_id=str(next(self._ids)), images=images, top_k=top_k, model=model
             )
@@ -297,9 +337,10 @@ class Client:
             self._unary[index] -= 1
 
     async def stream(
-        self, requests: AsyncIterable[pb.ClassifyRequest] | Iterable[pb.ClassifyRequest]
+        self, requests: AsyncIterable[Request] | Iterable[Request]
     ) -> AsyncIterator[pb.ClassifyResponse]:
-        """The raw bidi stream: send requests, receive responses (in completion order).
+        """The raw bidi stream: send requests (messages or EncodedRequests), receive
+        responses (in completion order).
 
         Every request sent gets exactly one response. If the stream itself fails (the server
         shuts down, a message is over the size limit, the connection drops), each request
@@ -320,7 +361,7 @@ class Client:
     async def _stream_on(
         self,
         stub: pb_grpc.ImageClassifierStub,
-        requests: AsyncIterable[pb.ClassifyRequest] | Iterable[pb.ClassifyRequest],
+        requests: AsyncIterable[Request] | Iterable[Request],
     ) -> AsyncIterator[pb.ClassifyResponse]:
         unanswered: collections.Counter[str] = collections.Counter()
         call = stub.Classify(timeout=self._timeout, metadata=self._metadata)
