@@ -14,8 +14,12 @@
 #        `git archive <commit> | tar -x -C build/base`, carried to the GPU machine), with
 #        the same load generator: an A/B of a code change in one lease
 # e.g. VARIANTS="d=1 d=1,r=16 d=1,c=8"; DECODE="4 1" is short for VARIANTS="d=4 d=1".
-# A size listed twice runs twice; "8@6000" sends 6,000 img/s instead of 5,000, and "8p2" (or
-# "8@6000p2") sends from two load-generator processes. SATURATE=1 adds, per variant, the
+# A size listed twice runs twice; "8@6000" sends 6,000 img/s instead of 5,000, "8p2" (or
+# "8@6000p2") sends from two load-generator processes, and a trailing "o" ("8o", "8@6000p2o")
+# sends from $BASE's load generator (an A/B of the client in one lease). "u:KEY=VALUE,..."
+# in SIZES changes the running server's batching user_config (bench/reconfigure.py, no
+# restart: each change starts from the variant's config) for the loads after it, whose
+# variant column then ends in "+KEY=VALUE,...". SATURATE=1 adds, per variant, the
 # saturating closed loop (16 streams x 16 requests of 32 in flight from 8 processes, spread
 # over every replica), twice, the first as warm-up. Logs and bench.json files go to $LOGS (default $OUT/sizes);
 # the table is printed last.
@@ -31,18 +35,21 @@ run=0
 load() {  # load VARIANT LABEL BENCH_ARGS...: one load, listed in $LOGS/runs.txt for the table
   local variant=$1 label=$2; shift 2
   run=$((run + 1))
-  timeout 90 raystream bench --spread --duration "$DURATION" --out "$LOGS/$run" "$@" 2>&1 \
+  (cd "${CLIENT:-.}" && PYTHONPATH="/tmp/site:$PWD:$PWD/protos" timeout 90 raystream bench \
+    --spread --duration "$DURATION" --out "$LOGS/$run" "$@") 2>&1 \
     | grep -v INFO | tee "$LOGS/$run.txt" | grep "img/s" | sed "s/^ */$run $variant $label: /"
   echo "$run $variant $label" >> "$LOGS/runs.txt"
 }
 
-half() {  # half VARIANT LABEL IMAGES_PER_REQUEST[@IMG_PER_S][pPROCESSES] CONNECTIONS
-  local size=${3%p*} b rate=5000 p=1
-  b=${size%@*}
-  [[ $size == *@* ]] && rate=${size#*@}
+half() {  # half VARIANT LABEL IMAGES_PER_REQUEST[@IMG_PER_S][pPROCESSES][o] CONNECTIONS
+  local token=${3%o} b rate=5000 p=1 client=.
+  [[ $3 == *o ]] && client=$(realpath "${BASE:-build/base}")
+  b=${token%p*}
+  b=${b%@*}
+  [[ ${token%p*} == *@* ]] && rate=${token#*@} && rate=${rate%p*}
   [ "$b" -lt 8 ] && p=$(( 8 / b ))
-  [[ $3 == *p* ]] && p=${3#*p}
-  load "$1" "$2" --batch-size "$b" --rate "$(python3 -c "print($rate / $b)")" \
+  [[ $token == *p* ]] && p=${token#*p}
+  CLIENT=$client load "$1" "$2" --batch-size "$b" --rate "$(python3 -c "print($rate / $b)")" \
     --streams "$p" --processes "$p" --connections "$4"
 }
 
@@ -83,7 +90,16 @@ PY
   grep "raystream ready" "$LOGS/$name.serve.log" || { tail -30 "$LOGS/$name.serve.log"; exit 1; }
   echo "$v ($replicas replicas): ready after $((SECONDS - started)) s"
   half "$v" warm-up 32 "$replicas"
-  for b in $SIZES; do half "$v" "$b" "$b" "$replicas"; done
+  tag=$v
+  for b in $SIZES; do
+    if [[ $b == u:* ]]; then
+      changes=${b#u:}
+      python3 bench/reconfigure.py "/tmp/direct-$name.yaml" ${changes//,/ } 2>&1 | tail -1
+      tag=$v+${b#u:}
+      continue
+    fi
+    half "$tag" "$b" "$b" "$replicas"
+  done
   for label in ${SATURATE:+warm-up saturated}; do
     load "$v" "$label" --batch-size 32 --streams 16 --in-flight 16 --processes 8 \
       --connections "$replicas"
