@@ -19,10 +19,12 @@
 # sends from $BASE's load generator (an A/B of the client in one lease). "u:KEY=VALUE,..."
 # in SIZES changes the running server's batching user_config (bench/reconfigure.py, no
 # restart: each change starts from the variant's config) for the loads after it, whose
-# variant column then ends in "+KEY=VALUE,...". SATURATE=1 adds, per variant, the
-# saturating closed loop (16 streams x 16 requests of 32 in flight from 8 processes, spread
-# over every replica), twice, the first as warm-up. Logs and bench.json files go to $LOGS (default $OUT/sizes);
-# the table is printed last.
+# variant column then ends in "+KEY=VALUE,...". PROFILE=LABEL (e.g. "8@7622") samples one
+# replica with py-spy (on PATH: carry .whl with its wheel) during the loads of that label, and
+# takes a `top` of the machine: $LOGS/RUN.pyspy.txt (bench/profile_summary.py), RUN.top.txt.
+# SATURATE=1 adds, per variant, the saturating closed loop (16 streams x 16 requests of 32 in
+# flight from 8 processes, spread over every replica), twice, the first as warm-up. Logs and
+# bench.json files go to $LOGS (default $OUT/sizes); the table is printed last.
 source bench/gpu_env.sh
 export LOGS=${LOGS:-$OUT/sizes} DURATION=${DURATION:-10}
 export SIZES=${SIZES:-32 16 8 4 1}
@@ -35,10 +37,19 @@ run=0
 load() {  # load VARIANT LABEL BENCH_ARGS...: one load, listed in $LOGS/runs.txt for the table
   local variant=$1 label=$2; shift 2
   run=$((run + 1))
+  [ "$label" = "${PROFILE:-}" ] && profile "$LOGS/$run" &
   (cd "${CLIENT:-.}" && PYTHONPATH="/tmp/site:$PWD:$PWD/protos" timeout 90 raystream bench \
     --spread --duration "$DURATION" --out "$LOGS/$run" "$@") 2>&1 \
     | grep -v INFO | tee "$LOGS/$run.txt" | grep "img/s" | sed "s/^ */$run $variant $label: /"
   echo "$run $variant $label" >> "$LOGS/runs.txt"
+}
+
+profile() {  # profile PATH_PREFIX: mid-load (sending starts after a few seconds)
+  sleep 6
+  py-spy record --pid "$(pgrep -f ServeReplica:raystream:Ingress | head -1)" --duration 5 \
+    --rate 200 --nonblocking --format raw --output "$1.pyspy.txt" > /dev/null 2>&1 &
+  top -b -c -d 2 -n 2 -w 250 | awk '/^top -/ {n++} n == 2' | head -45 > "$1.top.txt"
+  wait
 }
 
 half() {  # half VARIANT LABEL IMAGES_PER_REQUEST[@IMG_PER_S][pPROCESSES][o] CONNECTIONS
