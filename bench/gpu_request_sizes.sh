@@ -19,7 +19,9 @@
 # sends from $BASE's load generator (an A/B of the client in one lease). "u:KEY=VALUE,..."
 # in SIZES changes the running server's batching user_config (bench/reconfigure.py, no
 # restart: each change starts from the variant's config) for the loads after it, whose
-# variant column then ends in "+KEY=VALUE,...". PROFILE=LABEL (e.g. "8@7622") samples one
+# variant column then ends in "+KEY=VALUE,...". "nice:N" sets every replica thread's niceness
+# to N (Ray starts workers at 15, below the load generator's 0) for the loads after it, their
+# variant column ending in "+nice=N". PROFILE=LABEL (e.g. "8@7622") samples one
 # replica with py-spy (on PATH: carry .whl with its wheel) during the loads of that label, and
 # takes a `top` of the machine: $LOGS/RUN.pyspy.txt (bench/profile_summary.py), RUN.top.txt.
 # SATURATE=1 adds, per variant, the saturating closed loop (16 streams x 16 requests of 32 in
@@ -42,6 +44,17 @@ load() {  # load VARIANT LABEL BENCH_ARGS...: one load, listed in $LOGS/runs.txt
     --spread --duration "$DURATION" --out "$LOGS/$run" "$@") 2>&1 \
     | grep -v INFO | tee "$LOGS/$run.txt" | grep "img/s" | sed "s/^ */$run $variant $label: /"
   echo "$run $variant $label" >> "$LOGS/runs.txt"
+}
+
+renice_replicas() {  # renice_replicas N: every thread of every replica to niceness N
+  python3 - "$1" $(pgrep -f ServeReplica:raystream) <<'PY'
+import os, sys
+niceness, pids = int(sys.argv[1]), sys.argv[2:]
+threads = [int(t) for pid in pids for t in os.listdir(f"/proc/{pid}/task")]
+for tid in threads:
+    os.setpriority(os.PRIO_PROCESS, tid, niceness)
+print(f"{len(pids)} replicas, {len(threads)} threads: niceness {niceness}")
+PY
 }
 
 profile() {  # profile PATH_PREFIX: mid-load (sending starts after a few seconds)
@@ -101,15 +114,17 @@ PY
   grep "raystream ready" "$LOGS/$name.serve.log" || { tail -30 "$LOGS/$name.serve.log"; exit 1; }
   echo "$v ($replicas replicas): ready after $((SECONDS - started)) s"
   half "$v" warm-up 32 "$replicas"
-  tag=$v
+  changed= niced=
   for b in $SIZES; do
     if [[ $b == u:* ]]; then
-      changes=${b#u:}
-      python3 bench/reconfigure.py "/tmp/direct-$name.yaml" ${changes//,/ } 2>&1 | tail -1
-      tag=$v+${b#u:}
-      continue
+      changed=${b#u:}
+      python3 bench/reconfigure.py "/tmp/direct-$name.yaml" ${changed//,/ } 2>&1 | tail -1
+    elif [[ $b == nice:* ]]; then
+      niced=${b#nice:}
+      renice_replicas "$niced"
+    else
+      half "$v${changed:++$changed}${niced:++nice=$niced}" "$b" "$b" "$replicas"
     fi
-    half "$tag" "$b" "$b" "$replicas"
   done
   for label in ${SATURATE:+warm-up saturated}; do
     load "$v" "$label" --batch-size 32 --streams 16 --in-flight 16 --processes 8 \
