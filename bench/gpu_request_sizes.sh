@@ -22,8 +22,8 @@
 # variant column then ends in "+KEY=VALUE,...". "nice:N" sets every replica thread's niceness
 # to N (Ray starts workers at 15, below the load generator's 0) for the loads after it, their
 # variant column ending in "+nice=N". PROFILE=LABEL (e.g. "8@7622") samples one
-# replica with py-spy (on PATH: carry .whl with its wheel) during the loads of that label, and
-# takes a `top` of the machine: $LOGS/RUN.pyspy.txt (bench/profile_summary.py), RUN.top.txt.
+# replica with py-spy (where on PATH: carry .whl with its wheel) during the loads of that
+# label, and takes a `top` of the machine: $LOGS/RUN.pyspy.txt (bench/profile_summary.py), RUN.top.txt.
 # SATURATE=1 adds, per variant, the saturating closed loop (16 streams x 16 requests of 32 in
 # flight from 8 processes, spread over every replica), twice, the first as warm-up. Logs and
 # bench.json files go to $LOGS (default $OUT/sizes); the table is printed last.
@@ -59,7 +59,7 @@ PY
 
 profile() {  # profile PATH_PREFIX: mid-load (sending starts after a few seconds)
   sleep 6
-  py-spy record --pid "$(pgrep -f ServeReplica:raystream:Ingress | head -1)" --duration 5 \
+  command -v py-spy > /dev/null && py-spy record --pid "$(pgrep -f ServeReplica:raystream:Ingress | head -1)" --duration 5 \
     --rate 200 --nonblocking --format raw --output "$1.pyspy.txt" > /dev/null 2>&1 &
   top -b -c -d 2 -n 2 -w 250 | awk '/^top -/ {n++} n == 2' | head -45 > "$1.top.txt"
   wait

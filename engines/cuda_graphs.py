@@ -24,6 +24,16 @@ from engines.base import Engine
 from engines.buckets import BucketPlanner
 
 
+def wait_asleep(stream: torch.cuda.Stream) -> None:
+    """Block until the work queued on `stream` is done, the thread asleep. Its own
+    `synchronize()` spins a core all the while (CUDA spins when a process has fewer contexts
+    than the machine has cores): sixteen replicas' decode and engine threads waiting on one
+    shared GPU that way burn cores that the rest of the server needs."""
+    done = torch.cuda.Event(blocking=True)  # cudaEventBlockingSync
+    done.record(stream)
+    done.synchronize()
+
+
 @dataclass
 class CapturedGraph:
     graph: torch.cuda.CUDAGraph
@@ -109,7 +119,7 @@ class GraphEngine(Engine):
                 graph.graph.replay()
                 slot.host_out[lo : lo + count].copy_(graph.output[:count], non_blocking=True)
                 lo += count
-            slot.stream.synchronize()
+            wait_asleep(slot.stream)
         return slot.host_out[:n].numpy().copy()
 
     def _infer(self, batch: np.ndarray) -> np.ndarray:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engines.cuda_graphs import wait_asleep
 from engines.repository import PreprocessSpec
 from serve_app.errors import InvalidImage
 from serve_app.preprocessing import DecodeLimits, decode
@@ -64,7 +65,7 @@ class GpuJpegDecoder:
         with torch.cuda.stream(self._thread_stream()):
             crops = self._crops_many(requests)
             if self._device.type == "cuda":
-                torch.cuda.current_stream().synchronize()
+                wait_asleep(torch.cuda.current_stream())
         return crops
 
     def _crops_many(self, requests: list[list[bytes]]) -> list[Crops]:
