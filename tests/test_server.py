@@ -253,9 +253,11 @@ async def test_load_generator_reports_what_it_sent(server, photos, tmp_path: Pat
     report = await run_load(server, replace(workload, pixels=pixels, batch_size=3))
     assert report.requests == 10 and not report.errors and report.offered["input"] == "pixels"
     assert report.images_per_s > 0 and report.mean_batch_size >= 3
-    # Unary calls, sending the same encoded requests.
-    report = await run_load(server, replace(workload, unary=True))
-    assert report.requests == 10 and not report.errors and report.mean_batch_size >= 2
+    # Unary calls, and streams spread over the client's connections (clients/spread.py),
+    # sending the same encoded requests.
+    for variant in (replace(workload, unary=True), replace(workload, spread=True, connections=2)):
+        report = await run_load(server, variant)
+        assert report.requests == 10 and not report.errors and report.mean_batch_size >= 2
     # Split over two processes and two connections, which look for two ingress replicas
     # (there is one): the same requests, counted once each.
     report = await run_load(server, replace(workload, connections=2), processes=2)
