@@ -49,6 +49,10 @@ class AdaptiveWait:
     in this replica): p99 over the target halves the wait (and a tiny wait becomes 0); p99
     under `headroom` of the target adds `step_s`, up to `max_wait_s`. Under light load the
     wait buys bigger batches while latency allows; as load or engine time grows, it backs off.
+    A wait also halves when most of the last waits (8 at least) ended with their request
+    alone in its batch: arrivals too sparse for the wait to find company, which then only
+    adds latency (sixteen GPU replicas sharing 5,000 img/s see about 40 requests/s each;
+    docs/benchmarks.md 2k).
     """
 
     def __init__(
@@ -65,6 +69,8 @@ class AdaptiveWait:
         self.wait_s = 0.0
         self._latencies: collections.deque[float] = collections.deque(maxlen=window)
         self._every, self._headroom, self._seen = every, headroom, 0
+        # of each recent wait at the current wait_s: did its batch hold other requests?
+        self._company: collections.deque[bool] = collections.deque(maxlen=every)
 
     def observe(self, latency_ms: float) -> None:
         self._latencies.append(latency_ms)
@@ -72,10 +78,16 @@ class AdaptiveWait:
         if self._seen % self._every == 0:
             self._adjust()
 
+    def waited(self, found_company: bool) -> None:
+        """A batch formed after a wait: with other requests than the first, or alone."""
+        self._company.append(found_company)
+
     def _adjust(self) -> None:
         p99 = float(np.percentile(np.fromiter(self._latencies, float), 99))
-        if p99 > self.target_p99_ms:
+        alone = len(self._company) >= 8 and sum(self._company) < len(self._company) / 2
+        if p99 > self.target_p99_ms or alone:
             self.wait_s = self.wait_s / 2 if self.wait_s > self.step_s else 0.0
+            self._company.clear()  # judge the new wait by its own batches
         elif p99 < self._headroom * self.target_p99_ms:
             self.wait_s = min(self.max_wait_s, self.wait_s + self.step_s)
 
@@ -171,12 +183,14 @@ class DynamicBatcher(Generic[T, R]):
             while not self._queue or index >= self.concurrency:
                 self._arrived.clear()
                 await self._arrived.wait()
+            waited = False
             if self.max_delay_s > 0:
                 first = self._queue[0].enqueued
                 while (
                     self._queued_images < self.max_batch_size
                     and time.perf_counter() - first < self.max_delay_s
                 ):
+                    waited = True
                     self._arrived.clear()
                     remaining = self.max_delay_s - (time.perf_counter() - first)
                     try:
@@ -186,6 +200,8 @@ class DynamicBatcher(Generic[T, R]):
             batch = self._take()
             if not batch:
                 continue
+            if waited and self.adaptive is not None:
+                self.adaptive.waited(found_company=len(batch) > 1)
             self._running += 1
             try:
                 results = await self._run([p.item for p in batch])

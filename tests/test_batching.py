@@ -145,6 +145,22 @@ async def test_adaptive_batcher_waits_only_while_latency_allows(target_ms, waits
     await batcher.close()
 
 
+async def test_adaptive_wait_backs_off_when_waiting_finds_no_company() -> None:
+    async def engine(items: list[int]) -> list[int]:
+        return items
+
+    batcher = DynamicBatcher(engine, lambda item: 1, max_batch_size=64)
+    # Latency is far under the target, so only the lack of company can hold the wait down.
+    batcher.adaptive = AdaptiveWait(100.0, max_wait_s=0.01, every=16)
+    waits = []
+    for i in range(160):  # one request at a time: every wait ends alone
+        await batcher.submit(i)
+        waits.append(batcher.max_delay_s)
+    assert max(waits) > 0  # it tries waiting
+    assert sum(waits[-96:]) / 96 < 0.003  # and backs off (10 ms, the cap, without the check)
+    await batcher.close()
+
+
 async def test_concurrent_batches_change_at_run_time() -> None:
     running, most = 0, 0
 
