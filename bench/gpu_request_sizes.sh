@@ -17,7 +17,7 @@
 # A size listed twice runs twice; "8@6000" sends 6,000 img/s instead of 5,000, "8p2" (or
 # "8@6000p2") sends from two load-generator processes, and a trailing "o" ("8o", "8@6000p2o")
 # sends from $BASE's load generator (an A/B of the client in one lease). "u:KEY=VALUE,..."
-# in SIZES changes the running server's batching user_config (bench/reconfigure.py, no
+# in SIZES changes the running server's batching user_config (`raystream reconfigure`, no
 # restart: each change starts from the variant's config) for the loads after it, whose
 # variant column then ends in "+KEY=VALUE,...". "nice:N" sets every replica thread's niceness
 # to N (Ray starts workers at 15, below the load generator's 0) for the loads after it, their
@@ -119,7 +119,7 @@ PY
   for b in $SIZES; do
     if [[ $b == u:* ]]; then
       changed=${b#u:}
-      python3 bench/reconfigure.py "/tmp/direct-$name.yaml" ${changed//,/ } 2>&1 | tail -1
+      raystream reconfigure --config "/tmp/direct-$name.yaml" ${changed//,/ } 2>&1 | tail -1
     elif [[ $b == nice:* ]]; then
       niced=${b#nice:}
       renice_replicas "$niced"

@@ -260,15 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Validate the Serve config, start `serve run` on it in the "
         "foreground, and print a line once gRPC answers.",
     )
-    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="Serve config YAML")
-    p.add_argument("--host", help="bind address (default from config: 127.0.0.1)")
-    p.add_argument("--port", type=int, help="gRPC port (default from config: 9000)")
-    p.add_argument("--engine", choices=["auto", "onnxruntime", "torch-cuda", "tensorrt", "echo"])
-    p.add_argument("--model-repository", help="model repository directory")
-    p.add_argument(
-        "--topology", choices=["chained", "fused", "direct"], help="see README, Architecture"
-    )
-    p.add_argument("--decode", choices=["cpu", "gpu"], help="where JPEGs are decoded")
+    _add_serve_config_options(p)
     p.add_argument(
         "--ready-timeout",
         type=float,
@@ -276,6 +268,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="give up (and stop) if not serving after this many seconds",
     )
     p.set_defaults(func=serve_command.cmd_serve)
+
+    p = sub.add_parser(
+        "reconfigure",
+        help="change a running server's batching user_config, without a restart",
+        description="Apply KEY=VALUE changes (YAML values; null for the default) to the "
+        "batching user_config of the server that `raystream serve` runs (Inference, or "
+        "Ingress in topology direct), the way `serve deploy` applies an edited config: "
+        "each replica's reconfigure, no restart. Give the config and flags the server was "
+        "started with (any other difference would restart replicas); each run starts from "
+        "the config's user_config. Keys: see README, Configuration.",
+    )
+    p.add_argument("changes", nargs="+", metavar="KEY=VALUE")
+    _add_serve_config_options(p)
+    p.add_argument(
+        "--address",
+        default="auto",
+        help="the Ray cluster (raystream serve's ready line names it; default: this "
+        "machine's latest)",
+    )
+    p.set_defaults(func=serve_command.cmd_reconfigure)
 
     p = sub.add_parser(
         "classify",
@@ -395,6 +407,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-dir", help="INT8: folder of representative images")
     p.set_defaults(func=cmd_build_engine)
     return parser
+
+
+def _add_serve_config_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="Serve config YAML")
+    p.add_argument("--host", help="bind address (default from config: 127.0.0.1)")
+    p.add_argument("--port", type=int, help="gRPC port (default from config: 9000)")
+    p.add_argument("--engine", choices=["auto", "onnxruntime", "torch-cuda", "tensorrt", "echo"])
+    p.add_argument("--model-repository", help="model repository directory")
+    p.add_argument(
+        "--topology", choices=["chained", "fused", "direct"], help="see README, Architecture"
+    )
+    p.add_argument("--decode", choices=["cpu", "gpu"], help="where JPEGs are decoded")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,6 +1,9 @@
 """`raystream serve`: validate the Serve config, run `serve run` on it in the foreground,
 and say when the server is serving: the gRPC health service answers SERVING and Serve
-reports the application RUNNING (every replica up, not only the first to answer)."""
+reports the application RUNNING (every replica up, not only the first to answer).
+
+`raystream reconfigure`: change the running application's batching `user_config` without a
+restart, the way `serve deploy` applies an edited config."""
 
 from __future__ import annotations
 
@@ -83,12 +86,8 @@ def _check_port_free(host: str, port: int) -> None:
             )
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    """Validate the config, start `serve run` in the foreground, print when it answers."""
-    import yaml
-
-    from engines.repository import ModelNotFoundError, resolve
-
+def _overrides(args: argparse.Namespace) -> dict:
+    """The application args that `raystream serve`'s flags replace in the config."""
     overrides = {
         k: v
         for k, v in {
@@ -104,7 +103,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         overrides["topology"] = args.topology
     if args.decode:
         overrides["decode"] = args.decode
-    config, app = _serve_config(args.config, overrides)
+    return overrides
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Validate the config, start `serve run` in the foreground, print when it answers."""
+    import yaml
+
+    from engines.repository import ModelNotFoundError, resolve
+
+    config, app = _serve_config(args.config, _overrides(args))
     try:
         resolve(app.model_repository, app.model, app.model_version)
     except ModelNotFoundError as exc:
@@ -162,9 +170,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         elif asyncio.run(wait_ready()):
             # Health answers as soon as one replica listens; with several replicas (or
             # replicas compiling their engines) the rest may still be starting.
+            cluster = _cluster_address(child.pid)
             running = _wait_running(
                 config["applications"][0]["name"],
-                _cluster_address(child.pid),
+                cluster,
                 args.ready_timeout - (time.monotonic() - started),
                 lambda: child.poll() is None and fatal.error is None,
             )
@@ -178,7 +187,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 )
             else:
                 replicas = ", ".join(f"{name} {n}" for name, n in running.items())
-                described += f"; replicas running: {replicas}"
+                described += f"; replicas running: {replicas}; Ray cluster {cluster}"
             print(f"raystream ready: gRPC on {address}, {described}; Ctrl-C stops", flush=True)
         elif fatal.error is not None:
             print(f"raystream: cannot start: {fatal.error}", file=sys.stderr, flush=True)
@@ -297,6 +306,48 @@ class _FatalErrorWatch:
             match = self.PATTERN.search(line)
             if match and self.error is None:
                 self.error = (match.group(2) or f"{match.group(3)}: is the port in use?").strip()
+
+
+def cmd_reconfigure(args: argparse.Namespace) -> int:
+    """Apply KEY=VALUE changes to the batching user_config of the application that
+    `raystream serve` started with the same config and flags, through Serve's deploy (each
+    replica's `reconfigure`; no restart, since nothing else differs)."""
+    import yaml
+
+    from serve_app.config import BatchingConfig
+
+    config, app = _serve_config(args.config, _overrides(args))
+    name = "Ingress" if app.topology == "direct" else "Inference"  # where batching happens
+    deployments = config["applications"][0].setdefault("deployments", [])
+    deployment = next((d for d in deployments if d.get("name") == name), None)
+    if deployment is None:
+        deployment = {"name": name}
+        deployments.append(deployment)
+    user_config = deployment.setdefault("user_config", {})
+    for change in args.changes:
+        key, sep, value = change.partition("=")
+        if not sep:
+            raise ConfigError(f"{change!r}: expected KEY=VALUE, e.g. max_batch_size=16")
+        user_config[key] = yaml.safe_load(value)
+        if user_config[key] is None:  # null: back to BatchingConfig's default
+            del user_config[key]
+    try:
+        BatchingConfig.model_validate(user_config)
+    except ValueError as exc:
+        raise ConfigError(f"invalid user_config {user_config}:\n{exc}") from None
+    # As _wait_running's helper: a cluster that `serve run` started uses token auth, and a
+    # driver given its address must be told so before Ray is imported.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    import ray
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    ray.init(address=args.address, log_to_driver=False, logging_level="WARNING")
+    serve.start(proxy_location=config.get("proxy_location", "Disabled"))  # the running one
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config), _blocking=True)
+    print(f"raystream: {name} user_config now {user_config}", flush=True)
+    return 0
 
 
 async def _describe(address: str, app) -> str:

@@ -2,7 +2,9 @@
 configs by Serve's schema and by raystream's AppConfig; `raystream serve` reports config
 errors before starting anything, and serves and stops as a user runs it."""
 
+import asyncio
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -243,6 +245,24 @@ def test_raystream_serve_starts_serves_and_stops(model_repository, photos, tmp_p
             timeout=60,
         )
         assert classify.returncode == 0 and "cat" in classify.stdout, classify.stdout
+        # Batching changed at run time: a queue of one image refuses a request of two.
+        cluster = re.search(r"Ray cluster ([^;]+);", ready).group(1)
+        for change, answer in (("max_queued_images=1", 8), ("max_queued_images=null", 0)):
+            reconfigure = subprocess.run(
+                [
+                    *(sys.executable, "-m", "clients.cli", "reconfigure", change),
+                    *("--address", cluster, "--port", str(port), "--topology", "fused"),
+                    *("--model-repository", str(model_repository)),
+                ],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert reconfigure.returncode == 0, reconfigure.stderr[-2000:]
+            assert "Inference user_config now" in reconfigure.stdout
+            response = asyncio.run(_classify_once(f"127.0.0.1:{port}", [photo.read_bytes()] * 2))
+            assert response.error.code == answer, response.error  # 8: RESOURCE_EXHAUSTED
         server.send_signal(signal.SIGINT if stop.startswith("SIGINT") else signal.SIGTERM)
         assert server.wait(timeout=60) is not None
     finally:
@@ -250,6 +270,13 @@ def test_raystream_serve_starts_serves_and_stops(model_repository, photos, tmp_p
             os.killpg(server.pid, signal.SIGKILL)
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
+
+
+async def _classify_once(address: str, images: list[bytes]):
+    from clients.client import Client
+
+    async with Client(address) as client:
+        return await client.classify_once(images, top_k=1)
 
 
 @pytest.mark.slow
