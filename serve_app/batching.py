@@ -87,10 +87,11 @@ class AdaptiveWait:
         alone = len(self._company) >= 8 and sum(self._company) < len(self._company) / 2
         if p99 > self.target_p99_ms or alone:
             self.wait_s = self.wait_s / 2 if self.wait_s > self.step_s else 0.0
-            self._company.clear()  # each wait is judged by its own batches
         elif p99 < self._headroom * self.target_p99_ms:
             self.wait_s = min(self.max_wait_s, self.wait_s + self.step_s)
-            self._company.clear()
+        else:
+            return
+        self._company.clear()  # each wait is judged by its own batches
 
 
 class DynamicBatcher(Generic[T, R]):
