@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,13 +48,33 @@ class Crops:
         return Crops(torch.cat([piece.pixels for piece in pieces]), tuple(good), tuple(errors))
 
 
+# (3, H, W) uint8 images on the device, one per JPEG; a bad JPEG fails the whole call with
+# RuntimeError, as torchvision's nvJPEG does
+BatchDecode = Callable[[list[bytes]], list[torch.Tensor]]
+
+
 class GpuJpegDecoder:
-    def __init__(self, spec: PreprocessSpec, limits: DecodeLimits, device: str = "cuda") -> None:
+    def __init__(
+        self,
+        spec: PreprocessSpec,
+        limits: DecodeLimits,
+        device: str = "cuda",
+        decode_batch: BatchDecode | None = None,
+    ) -> None:
+        """decode_batch: torchvision's batched nvJPEG when None (tests and benchmarks pass
+        others)."""
+        self._spec, self._limits, self._device = spec, limits, torch.device(device)
+        self.decode_batch = decode_batch or self._torchvision_decoder()
+        self._threads = threading.local()
+
+    def _torchvision_decoder(self) -> BatchDecode:
         from torchvision.io import ImageReadMode, decode_jpeg  # GPU machines only
 
-        self._decode_jpeg, self._mode = decode_jpeg, ImageReadMode.RGB
-        self._spec, self._limits, self._device = spec, limits, torch.device(device)
-        self._threads = threading.local()
+        def decode_batch(jpegs: list[bytes]) -> list[torch.Tensor]:
+            data = [torch.frombuffer(bytearray(j), dtype=torch.uint8) for j in jpegs]
+            return decode_jpeg(data, mode=ImageReadMode.RGB, device=self._device)
+
+        return decode_batch
 
     def crops(self, jpegs: list[bytes]) -> Crops:
         return self.crops_many([jpegs])[0]
@@ -80,12 +101,6 @@ class GpuJpegDecoder:
         crops = crop_batch(images, self._spec)
         bounds = itertools.accumulate((len(jpegs) for jpegs in requests), initial=0)
         return [Crops(crops[lo:hi], tuple(range(hi - lo))) for lo, hi in itertools.pairwise(bounds)]
-
-    def decode_batch(self, jpegs: list[bytes]) -> list[torch.Tensor]:
-        """One batched nvJPEG call: (3, H, W) uint8 images on the device; a bad JPEG fails
-        the whole call (RuntimeError)."""
-        data = [torch.frombuffer(bytearray(j), dtype=torch.uint8) for j in jpegs]
-        return self._decode_jpeg(data, mode=self._mode, device=self._device)
 
     def _one_by_one(self, jpegs: list[bytes]) -> Crops:
         """The CPU path for each JPEG of a request nvJPEG refused, for its diagnosis."""

@@ -54,10 +54,11 @@ def test_nvjpeg_crops_match_the_cpu_path(model, photos) -> None:
 
     spec = model.spec.preprocess
     decoder = GpuJpegDecoder(spec, DecodeLimits())
-    jpegs = [photos[n] for n in ("chelsea", "coffee", "astronaut", "rocket")]
+    gray = encode(np.asarray(Image.open(io.BytesIO(photos["coffee"])).convert("L")), "JPEG")
+    jpegs = [photos[n] for n in ("chelsea", "coffee", "astronaut", "rocket")] + [gray]
     crops = decoder.crops(jpegs)
-    assert crops.pixels.is_cuda and crops.pixels.shape == (4, 224, 224, 3)
-    assert crops.good == (0, 1, 2, 3) and crops.errors == ()
+    assert crops.pixels.is_cuda and crops.pixels.shape == (5, 224, 224, 3)
+    assert crops.good == (0, 1, 2, 3, 4) and crops.errors == ()
     for jpeg, crop in zip(jpegs, crops.pixels.cpu().numpy(), strict=True):
         reference = decode(jpeg, spec).astype(np.int16)
         assert np.abs(crop.astype(np.int16) - reference).mean() < 3.0
@@ -69,7 +70,7 @@ def test_nvjpeg_crops_match_the_cpu_path(model, photos) -> None:
         decode(junk, spec)
     assert [(i, str(e)) for i, e in crops.errors] == [(1, str(cpu_error.value))]
     both = decoder.crops_many([jpegs[:1], jpegs[1:]])
-    assert [len(c.pixels) for c in both] == [1, 3]
+    assert [len(c.pixels) for c in both] == [1, 4]
 
 
 def test_crops_of_mixed_sizes_in_one_batch_equal_one_at_a_time(model, photos) -> None:
@@ -102,47 +103,53 @@ def test_crops_of_mixed_sizes_in_one_batch_equal_one_at_a_time(model, photos) ->
             assert difference.mean() < 3.0 and difference[[0, -1]].mean() < 3.0  # edge rows
 
 
-def _pil_decode_jpeg(data, mode, device):
-    """Stands in for torchvision's batched decode_jpeg on a CPU box: same inputs and outputs,
-    and like nvJPEG one bad JPEG fails the whole call with a RuntimeError."""
-    out = []
-    for tensor in data:
-        try:
-            image = Image.open(io.BytesIO(tensor.numpy().tobytes())).convert("RGB")
-        except Exception as exc:
-            raise RuntimeError(f"decode failed: {exc}") from exc
-        out.append(torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).to(device))
-    return out
+class _PilBatchDecoder:
+    """Stands in for torchvision's batched nvJPEG on a CPU box: same inputs and outputs, and
+    like nvJPEG one bad JPEG fails the whole call with a RuntimeError. Counts the JPEGs of
+    each call."""
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def __call__(self, jpegs: list[bytes]) -> list[torch.Tensor]:
+        self.calls.append(len(jpegs))
+        out = []
+        for jpeg in jpegs:
+            try:
+                image = Image.open(io.BytesIO(jpeg)).convert("RGB")
+            except Exception as exc:
+                raise RuntimeError(f"decode failed: {exc}") from exc
+            out.append(torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1))
+        return out
 
 
 def test_requests_decode_together_and_a_bad_jpeg_fails_alone(model, photos) -> None:
+    from serve_app.errors import InvalidImage
     from serve_app.gpu_decode import Crops, GpuJpegDecoder
     from serve_app.preprocessing import DecodeLimits, decode
 
     spec = model.spec.preprocess
-    decoder = GpuJpegDecoder.__new__(GpuJpegDecoder)
-    decoder._spec, decoder._limits, decoder._device = spec, DecodeLimits(), torch.device("cpu")
-    calls = []
-    decoder._decode_jpeg = lambda data, mode, device: (
-        calls.append(len(data)) or _pil_decode_jpeg(data, mode, device)
-    )
-    decoder._mode = None
+    stand_in = _PilBatchDecoder()
+    decoder = GpuJpegDecoder(spec, DecodeLimits(), device="cpu", decode_batch=stand_in)
     first = [photos["chelsea"], photos["coffee"]]
     second = [photos["rocket"], photos["chelsea"], photos["astronaut"]]
     crops = decoder.crops_many([first, second])
-    assert calls == [5]  # one call for both requests
+    assert stand_in.calls == [5]  # one call for both requests
     assert [c.good for c in crops] == [(0, 1), (0, 1, 2)]
     pixels = torch.cat([c.pixels for c in crops]).numpy()
     for jpeg, crop in zip(first + second, pixels, strict=True):
         reference = decode(jpeg, spec).astype(np.int16)
         assert np.abs(crop.astype(np.int16) - reference).mean() < 3.0
-    calls.clear()
+    stand_in.calls.clear()
     bad = [photos["coffee"], b"\xff\xd8\xff\xdb" + b"\x00" * 64 + b"\xff\xd9"]
     crops = decoder.crops_many([first, bad, second])
-    assert calls == [7, 2, 2, 3]  # all, then each request; the bad one goes one by one
+    assert stand_in.calls == [7, 2, 2, 3]  # all, then each request; the bad one goes one by one
     assert [c.good for c in crops] == [(0, 1), (0,), (0, 1, 2)]
     assert [len(c.pixels) for c in crops] == [2, 1, 3]
     assert [i for i, _ in crops[1].errors] == [1] and not crops[0].errors + crops[2].errors
+    with pytest.raises(InvalidImage) as cpu_error:  # the CPU path's diagnosis
+        decode(bad[1], spec)
+    assert str(crops[1].errors[0][1]) == str(cpu_error.value)
     # A request decoded in pieces is joined back, positions and errors included.
     whole = Crops.concat([crops[0], crops[1], crops[2]])
     assert whole.good == (0, 1, 2, 4, 5, 6) and [i for i, _ in whole.errors] == [3]
@@ -158,16 +165,14 @@ async def test_inference_replica_decodes_waiting_requests_together(
     from serve_app.config import BatchingConfig
     from serve_app.stages import Inference
 
-    calls = []
+    decoder = _PilBatchDecoder()
+    calls = decoder.calls
+    construct = gpu_decode.GpuJpegDecoder.__init__
 
-    def stand_in(self, spec, limits, device="cuda"):
-        self._spec, self._limits, self._device = spec, limits, torch.device("cpu")
-        self._mode = None
-        self._decode_jpeg = lambda data, mode, device: (
-            calls.append(len(data)) or _pil_decode_jpeg(data, mode, device)
-        )
+    def on_the_cpu(self, spec, limits, **_):
+        construct(self, spec, limits, device="cpu", decode_batch=decoder)
 
-    monkeypatch.setattr(gpu_decode.GpuJpegDecoder, "__init__", stand_in)
+    monkeypatch.setattr(gpu_decode.GpuJpegDecoder, "__init__", on_the_cpu)
     config = AppConfig(model_repository=model_repository, decode="gpu")
     replica = Inference.func_or_class.__new__(Inference.func_or_class)
     await replica.__init__(config.model_dump())
