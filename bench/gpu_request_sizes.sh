@@ -10,6 +10,8 @@
 #   d=N  user_config's decode_concurrency (nvJPEG calls at once per replica; shipped 4)
 #   r=N  N replicas, each 1/N of the GPU and 16/N CPUs for Ray's accounting (shipped 16)
 #   c=N  the engine's graphs torch.compile'd from batch N up (shipped 8)
+#   b=0|1 the engine's blocking_sync option: every GPU wait in a replica sleeps (1) or
+#        CUDA's default, spinning a core in the waits outside raystream's own code (0)
 #   base the server from another checkout of the code, $BASE (default build/base: e.g.
 #        `git archive <commit> | tar -x -C build/base`, carried to the GPU machine), with
 #        the same load generator: an A/B of a code change in one lease
@@ -94,6 +96,8 @@ if "r" in changes:
     ingress["ray_actor_options"].update(num_gpus=1 / n, num_cpus=max(1, 16 // n))
 if "c" in changes:
     app["args"]["engine"]["options"]["compile_min_batch"] = int(changes["c"])
+if "b" in changes:
+    app["args"]["engine"]["options"]["blocking_sync"] = changes["b"] == "1"
 yaml.safe_dump(config, open(sys.argv[2], "w"))
 print(ingress["num_replicas"])
 PY

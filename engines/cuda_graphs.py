@@ -23,6 +23,30 @@ import torch
 from engines.base import Engine
 from engines.buckets import BucketPlanner
 
+CU_CTX_SCHED_BLOCKING_SYNC = 0x04  # cuda.h
+
+
+def sleep_in_every_gpu_wait(device: torch.device) -> None:
+    """Make every wait for `device` in this process sleep, also those inside libraries
+    (torchvision's nvJPEG decode, cuDNN, copies to the host) that wait_asleep cannot reach:
+    the blocking-sync flag on the device's primary context, set through the driver API
+    (torch does not expose it). Call before the process first uses the device."""
+    import ctypes
+
+    driver = ctypes.CDLL("libcuda.so.1")
+    handle = ctypes.c_int()
+    for name, status in (
+        ("cuInit", lambda: driver.cuInit(0)),
+        ("cuDeviceGet", lambda: driver.cuDeviceGet(ctypes.byref(handle), device.index or 0)),
+        (
+            "cuDevicePrimaryCtxSetFlags",
+            lambda: driver.cuDevicePrimaryCtxSetFlags_v2(handle, CU_CTX_SCHED_BLOCKING_SYNC),
+        ),
+    ):
+        code = status()
+        if code != 0:
+            raise RuntimeError(f"{name} failed with CUDA driver error {code}")
+
 
 def wait_asleep(stream: torch.cuda.Stream) -> None:
     """Block until the work queued on `stream` is done, the thread asleep. Its own

@@ -16,7 +16,7 @@ import torch
 
 from engines.base import EngineError, EngineInfo
 from engines.buckets import buckets_up_to
-from engines.cuda_graphs import CapturedGraph, GraphEngine, Slot
+from engines.cuda_graphs import CapturedGraph, GraphEngine, Slot, sleep_in_every_gpu_wait
 from engines.repository import ModelRef
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,10 @@ class TorchCudaEngine(GraphEngine):
         slots: int = 2,
         compile_min_batch: int | None = None,
         plan_by_latency: bool = True,
+        blocking_sync: bool = False,
     ) -> None:
+        """blocking_sync: every wait for the GPU in this process sleeps instead of spinning
+        a core (cuda_graphs.sleep_in_every_gpu_wait), the nvJPEG decoder's included."""
         if precision not in DTYPES:
             raise EngineError(
                 f"torch-cuda runs fp32, fp16 or bf16, got precision "
@@ -50,6 +53,8 @@ class TorchCudaEngine(GraphEngine):
             raise EngineError("torch-cuda needs a CUDA GPU and none is visible")
         start = time.perf_counter()
         self.device = torch.device(device)
+        if blocking_sync:
+            sleep_in_every_gpu_wait(self.device)
         self.dtype = DTYPES[precision]
         self.buckets = buckets_up_to(max_batch_size)
         self.info = EngineInfo(

@@ -97,3 +97,39 @@ def test_selection_on_a_cpu_machine(model) -> None:
     assert pick_engine("auto") == "onnxruntime"
     with pytest.raises(EngineError, match="needs a CUDA GPU"):
         create_engine("torch-cuda", model)
+
+
+_PRIMARY_CONTEXT_FLAGS = """
+import ctypes, torch
+from engines.cuda_graphs import sleep_in_every_gpu_wait
+if BLOCK:
+    sleep_in_every_gpu_wait(torch.device("cuda", 0))
+torch.ones(8, device="cuda").sum().item()  # the context is in use
+driver, flags, active = ctypes.CDLL("libcuda.so.1"), ctypes.c_uint(), ctypes.c_int()
+assert driver.cuDevicePrimaryCtxGetState(0, ctypes.byref(flags), ctypes.byref(active)) == 0
+print(flags.value, active.value)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_blocking_sync_puts_every_gpu_wait_of_the_process_to_sleep() -> None:
+    """The torch-CUDA engine's blocking_sync option: the primary context torch then uses
+    carries CU_CTX_SCHED_BLOCKING_SYNC (0x04); without it, CUDA's default (0). In a fresh
+    process each, as the flag is the process's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    states = [
+        subprocess.run(
+            [sys.executable, "-c", f"BLOCK = {block}\n{_PRIMARY_CONTEXT_FLAGS}"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        for block in (False, True)
+    ]
+    assert states == [["0", "1"], ["4", "1"]]
