@@ -6,9 +6,12 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/site
-stamp=$(stat -c %s-%Y .gpu/site.tar.xz)  # unpack again when the bundle changes
+# (and nvImageCodec, the gpu extra, from .gpu/nvimgcodec.tar.xz where
+# bench/make_nvimgcodec_bundle.sh built it)
+stamp=$(stat -c %s-%Y .gpu/*.tar.xz | tr '\n' ' ')  # unpack again when a bundle changes
 [ "$(cat /tmp/site/.unpacked 2>/dev/null)" = "$stamp" ] || {
-  rm -rf /tmp/site && mkdir -p /tmp/site && tar xJf .gpu/site.tar.xz -C /tmp/site \
+  rm -rf /tmp/site && mkdir -p /tmp/site \
+    && for bundle in .gpu/*.tar.xz; do tar xJf "$bundle" -C /tmp/site; done \
     && echo "$stamp" > /tmp/site/.unpacked; }
 export PYTHONPATH=/tmp/site:$PWD:$PWD/protos PATH=/tmp/site/bin:$PATH
 export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0
