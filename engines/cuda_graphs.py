@@ -12,6 +12,7 @@ replayed, and copied back.
 from __future__ import annotations
 
 import abc
+import ctypes
 import queue
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engines.base import Engine
+from engines.base import Engine, EngineError
 from engines.buckets import BucketPlanner
 
 CU_CTX_SCHED_BLOCKING_SYNC = 0x04  # cuda.h
@@ -31,21 +32,17 @@ def sleep_in_every_gpu_wait(device: torch.device) -> None:
     (torchvision's nvJPEG decode, cuDNN, copies to the host) that wait_asleep cannot reach:
     the blocking-sync flag on the device's primary context, set through the driver API
     (torch does not expose it). Call before the process first uses the device."""
-    import ctypes
-
     driver = ctypes.CDLL("libcuda.so.1")
     handle = ctypes.c_int()
-    for name, status in (
-        ("cuInit", lambda: driver.cuInit(0)),
-        ("cuDeviceGet", lambda: driver.cuDeviceGet(ctypes.byref(handle), device.index or 0)),
-        (
-            "cuDevicePrimaryCtxSetFlags",
-            lambda: driver.cuDevicePrimaryCtxSetFlags_v2(handle, CU_CTX_SCHED_BLOCKING_SYNC),
-        ),
-    ):
-        code = status()
-        if code != 0:
-            raise RuntimeError(f"{name} failed with CUDA driver error {code}")
+    _driver_call("cuInit", driver.cuInit(0))
+    _driver_call("cuDeviceGet", driver.cuDeviceGet(ctypes.byref(handle), device.index or 0))
+    status = driver.cuDevicePrimaryCtxSetFlags_v2(handle, CU_CTX_SCHED_BLOCKING_SYNC)
+    _driver_call("cuDevicePrimaryCtxSetFlags", status)
+
+
+def _driver_call(name: str, status: int) -> None:
+    if status != 0:
+        raise EngineError(f"{name} failed with CUDA driver error {status}")
 
 
 def wait_asleep(stream: torch.cuda.Stream) -> None:
