@@ -74,7 +74,8 @@ class AppConfig(_Strict):
     # Structured request logs (JSON lines in the ingress replica's Serve log): every failed
     # request or image, and this fraction of the successful ones.
     log_sample_rate: float = Field(0.01, ge=0.0, le=1.0)
-    # fused: requests per Ray call to Inference, and calls in flight (micro-batching).
+    # fused and chained: requests per Ray call (a chain of calls in chained), and calls in
+    # flight (micro-batching, serve_app/pipeline.py).
     requests_per_call: int = Field(64, ge=1)
     max_calls_in_flight: int = Field(4, ge=1)
 

@@ -428,7 +428,7 @@ class Ingress:
         else:
             model = await inference.info.remote()
             if preprocess is not None and postprocess is not None:
-                pipeline = ChainedPipeline(preprocess, inference, postprocess)
+                pipeline = ChainedPipeline(self._config, preprocess, inference, postprocess)
             else:
                 pipeline = FusedPipeline(self._config, inference)
         limits = self._config.limits

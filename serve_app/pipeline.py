@@ -1,9 +1,9 @@
-"""How the ingress reaches the model: the two topologies, each one object with `classify()`.
+"""How the ingress reaches the model: the three topologies, each one object with `classify()`.
 
-chained  Ingress -> Preprocess -> Inference -> Postprocess: 3 Ray calls per request, chained
-         with DeploymentResponse arguments so the ingress awaits only the last. Each stage
-         scales on its own (many CPU decode replicas, a few GPU inference replicas, across
-         nodes).
+chained  Ingress -> Preprocess -> Inference -> Postprocess: a chain of 3 Ray calls, chained
+         with DeploymentResponse arguments so the ingress awaits only the last; under load
+         one chain carries many requests (micro-batching). Each stage scales on its own (many
+         CPU decode replicas, a few GPU inference replicas, across nodes).
 fused    decode in the ingress replica's thread pool, postprocess in the Inference replica:
          at most 1 Ray call per request, and under load one call carries many requests
          (micro-batching). Fewer hops, lower latency and CPU cost on one host; decode scales
@@ -12,6 +12,11 @@ direct   the whole pipeline in the ingress replica (decode, batching, engine, po
          no Ray call per request. Replicas share the port (SO_REUSEPORT) and each batches
          only the connections the kernel gave it; scale by adding replicas (one process
          each, fractions of a GPU).
+
+A Ray call costs milliseconds of CPU whatever it carries, so under load micro-batching is
+what keeps the serving path cheap: while `max_calls_in_flight` calls (or chains) are in
+flight, new requests queue, and the next call carries all of them (up to
+`requests_per_call`); at low load a lone request goes at once (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -44,26 +49,65 @@ class Pipeline(Protocol):
         ...
 
 
+def _micro_batcher(config: AppConfig, call) -> DynamicBatcher:
+    """Requests queued while `max_calls_in_flight` calls run go together in the next."""
+    return DynamicBatcher(
+        call,
+        lambda item: 1,
+        max_batch_size=config.requests_per_call,
+        max_concurrent=config.max_calls_in_flight,
+        max_queued=1 << 20,  # bounded upstream: streams stop reading past their limit
+    )
+
+
+async def _own_result(batcher: DynamicBatcher, item: tuple, deadline: float | None):
+    """One request through a micro-batched call: its own result, or its own failure."""
+    result, _ = await batcher.submit(item, deadline)
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
 class ChainedPipeline:
+    """Each stage in deployments of its own; requests go in micro-batched chains of calls,
+    each stage's `many` method answering every request of its call."""
+
     def __init__(
         self,
+        config: AppConfig,
         preprocess: DeploymentHandle,
         inference: DeploymentHandle,
         postprocess: DeploymentHandle,
     ) -> None:
         self._preprocess, self._inference, self._postprocess = preprocess, inference, postprocess
+        self._images = _micro_batcher(config, self._chain)
+        self._pixels = _micro_batcher(config, self._chain_preprocessed)
+
+    async def _chain(
+        self, items: list[tuple[list[bytes], float | None, int, bool]]
+    ) -> list[Classified | Exception]:
+        preprocessed = self._preprocess.many.remote([(images, d) for images, d, _, _ in items])
+        return await self._infer_and_postprocess(preprocessed, items)
+
+    async def _chain_preprocessed(
+        self, items: list[tuple[Preprocessed, None, int, bool]]
+    ) -> list[Classified | Exception]:
+        return await self._infer_and_postprocess([pre for pre, *_ in items], items)
+
+    async def _infer_and_postprocess(self, preprocessed, items) -> list[Classified | Exception]:
+        inferred = self._inference.infer_many.remote(preprocessed)
+        asks = [(top_k, scores) for *_, top_k, scores in items]
+        return await self._postprocess.many.remote(inferred, asks)
 
     async def classify(
         self, images: list[bytes], top_k: int, deadline: float | None = None, scores: bool = False
     ) -> Classified:
-        preprocessed = self._preprocess.remote(images, deadline)
-        inferred = self._inference.remote(preprocessed)
-        return await self._postprocess.remote(inferred, top_k, scores)
+        return await _own_result(self._images, (images, deadline, top_k, scores), deadline)
 
     async def classify_preprocessed(
         self, pre: Preprocessed, top_k: int, scores: bool = False
     ) -> Classified:
-        return await self._postprocess.remote(self._inference.remote(pre), top_k, scores)
+        return await _own_result(self._pixels, (pre, None, top_k, scores), pre.deadline)
 
 
 class _DecodesHere(abc.ABC):
@@ -84,21 +128,12 @@ class _DecodesHere(abc.ABC):
 
 
 class FusedPipeline(_DecodesHere):
-    """Decode here; send requests to Inference in micro-batches: while `max_calls` Ray calls
-    are in flight, new requests queue, and the next call carries all of them (up to
-    `requests_per_call`). A Ray call costs milliseconds of CPU whatever it carries, so under
-    load this is what keeps the serving path cheap (docs/benchmarks.md)."""
+    """Decode here; send requests to Inference in micro-batched calls."""
 
     def __init__(self, config: AppConfig, inference: DeploymentHandle) -> None:
         self._preprocessor = Preprocessor(config)
         self._inference = inference
-        self._calls: DynamicBatcher = DynamicBatcher(
-            self._call,
-            lambda item: 1,
-            max_batch_size=config.requests_per_call,
-            max_concurrent=config.max_calls_in_flight,
-            max_queued=1 << 20,  # bounded upstream: streams stop reading past their limit
-        )
+        self._calls = _micro_batcher(config, self._call)
 
     async def _call(
         self, items: list[tuple[Preprocessed, int, bool]]
@@ -108,10 +143,7 @@ class FusedPipeline(_DecodesHere):
     async def classify_preprocessed(
         self, pre: Preprocessed, top_k: int, scores: bool = False
     ) -> Classified:
-        result, _ = await self._calls.submit((pre, top_k, scores), pre.deadline)
-        if isinstance(result, Exception):
-            raise result
-        return result
+        return await _own_result(self._calls, (pre, top_k, scores), pre.deadline)
 
 
 class LocalPipeline(_DecodesHere):

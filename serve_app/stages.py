@@ -156,6 +156,16 @@ class Preprocess:
     async def __call__(self, images: list[bytes], deadline: float | None = None) -> Preprocessed:
         return await self._preprocessor.run(images, deadline)
 
+    async def many(
+        self, requests: list[tuple[list[bytes], float | None]]
+    ) -> list[Preprocessed | Exception]:
+        """Topology `chained`: many requests (images, deadline) in one Ray call; each one's
+        failure is its own."""
+        return await asyncio.gather(
+            *(self._preprocessor.run(images, deadline) for images, deadline in requests),
+            return_exceptions=True,
+        )
+
 
 @dataclass(frozen=True)
 class _Queued:
@@ -408,6 +418,17 @@ class Inference:
             *(self(pre, top_k, scores) for pre, top_k, scores in items), return_exceptions=True
         )
 
+    async def infer_many(self, pres: list[Preprocessed | Exception]) -> list[Inferred | Exception]:
+        """Topology `chained`: logits for many requests in one Ray call; a request that
+        already failed upstream stays failed, and each one's failure is its own."""
+
+        async def infer(pre: Preprocessed | Exception) -> Inferred:
+            if isinstance(pre, Exception):
+                raise pre
+            return await self._infer(pre)
+
+        return await asyncio.gather(*(infer(pre) for pre in pres), return_exceptions=True)
+
     async def __call__(
         self, pre: Preprocessed, top_k: int | None = None, scores: bool = False
     ) -> Inferred | Classified:
@@ -500,3 +521,13 @@ class Postprocess:
 
     def __call__(self, inferred: Inferred, top_k: int, scores: bool = False) -> Classified:
         return postprocess(inferred, top_k, self._labels, scores)
+
+    def many(
+        self, inferred: list[Inferred | Exception], asks: list[tuple[int, bool]]
+    ) -> list[Classified | Exception]:
+        """Topology `chained`: many requests' (top_k, scores) in one Ray call; a request
+        that failed upstream stays failed."""
+        return [
+            result if isinstance(result, Exception) else self(result, top_k, scores)
+            for result, (top_k, scores) in zip(inferred, asks, strict=True)
+        ]
