@@ -30,13 +30,14 @@ torchvision with spinning waits in the same run.
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing as mp
 import os
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
+from gpu_pipeline import run_for  # bench/, on the path as this script's folder
 
 DECODERS = ("torchvision", "nvimgcodec")
 WAITS = ("spin", "block")
@@ -101,23 +102,6 @@ def _distance_to_cpu(kind: str, repository: Path, model: str) -> float:
     return float(np.mean(distances))
 
 
-def _run_for(decoder, jpegs: list[bytes], threads: int, seconds: float) -> int:
-    stop = time.perf_counter() + seconds
-    done = [0] * threads
-
-    def loop(t: int) -> None:
-        while time.perf_counter() < stop:
-            decoder.crops(jpegs)
-            done[t] += len(jpegs)
-
-    pool = [threading.Thread(target=loop, args=(t,)) for t in range(threads)]
-    for thread in pool:
-        thread.start()
-    for thread in pool:
-        thread.join()
-    return sum(done)
-
-
 def _worker(args, waits, runs, index, barrier, results) -> None:
     if waits == "block":
         import torch
@@ -134,7 +118,8 @@ def _worker(args, waits, runs, index, barrier, results) -> None:
         jpegs = _jpegs(batch)
         barrier.wait()
         before = os.times()
-        done = _run_for(decoders[kind], jpegs, threads, args.seconds) if index < processes else 0
+        decode = functools.partial(decoders[kind].crops, jpegs)
+        done = run_for(decode, batch, threads, args.seconds) if index < processes else 0
         after = os.times()
         cpu = (after.user - before.user) + (after.system - before.system)
         results.put((done, cpu if done else 0.0))

@@ -130,7 +130,7 @@ def _busy_us_per_image(run, batch: int, repeats: int = 10) -> tuple[float, int]:
     return busy / (repeats * batch), len(spans) // repeats
 
 
-def _run_for(run, batch: int, threads: int, seconds: float) -> int:
+def run_for(run, batch: int, threads: int, seconds: float) -> int:
     """Images done by `threads` threads running the pipeline back to back for `seconds`."""
     stop = time.perf_counter() + seconds
     done = [0] * threads
@@ -154,7 +154,7 @@ def _worker(args, index, ready, go, counts) -> None:
     for layout in args.layouts:
         processes, threads = map(int, layout.split("x"))
         go.wait()
-        done = _run_for(run, args.batch, threads, args.seconds) if index < processes else 0
+        done = run_for(run, args.batch, threads, args.seconds) if index < processes else 0
         counts.put(done)
         go.wait()
 
