@@ -153,9 +153,6 @@ class Preprocess:
     def __init__(self, config: dict) -> None:
         self._preprocessor = Preprocessor(AppConfig.model_validate(config))
 
-    async def __call__(self, images: list[bytes], deadline: float | None = None) -> Preprocessed:
-        return await self._preprocessor.run(images, deadline)
-
     async def many(
         self, requests: list[tuple[list[bytes], float | None]]
     ) -> list[Preprocessed | Exception]:
