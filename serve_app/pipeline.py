@@ -87,16 +87,19 @@ class ChainedPipeline:
         self, items: list[tuple[list[bytes], float | None, int, bool]]
     ) -> list[Classified | Exception]:
         preprocessed = self._preprocess.many.remote([(images, d) for images, d, _, _ in items])
-        return await self._infer_and_postprocess(preprocessed, items)
+        return await self._infer_and_postprocess(preprocessed, [item[2:] for item in items])
 
     async def _chain_preprocessed(
-        self, items: list[tuple[Preprocessed, None, int, bool]]
+        self, items: list[tuple[Preprocessed, int, bool]]
     ) -> list[Classified | Exception]:
-        return await self._infer_and_postprocess([pre for pre, *_ in items], items)
+        pres = [pre for pre, _, _ in items]
+        return await self._infer_and_postprocess(pres, [item[1:] for item in items])
 
-    async def _infer_and_postprocess(self, preprocessed, items) -> list[Classified | Exception]:
+    async def _infer_and_postprocess(
+        self, preprocessed, asks: list[tuple[int, bool]]
+    ) -> list[Classified | Exception]:
+        """`asks`: each request's (top_k, scores)."""
         inferred = self._inference.infer_many.remote(preprocessed)
-        asks = [(top_k, scores) for *_, top_k, scores in items]
         return await self._postprocess.many.remote(inferred, asks)
 
     async def classify(
@@ -107,7 +110,7 @@ class ChainedPipeline:
     async def classify_preprocessed(
         self, pre: Preprocessed, top_k: int, scores: bool = False
     ) -> Classified:
-        return await _own_result(self._pixels, (pre, None, top_k, scores), pre.deadline)
+        return await _own_result(self._pixels, (pre, top_k, scores), pre.deadline)
 
 
 class _DecodesHere(abc.ABC):
