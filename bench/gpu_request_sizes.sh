@@ -10,8 +10,9 @@
 #   d=N  user_config's decode_concurrency (nvJPEG calls at once per replica; shipped 4)
 #   r=N  N replicas, each 1/N of the GPU and 16/N CPUs for Ray's accounting (shipped 16)
 #   c=N  the engine's graphs torch.compile'd from batch N up (shipped 8)
-#   b=0|1 the engine's blocking_sync option: every GPU wait in a replica sleeps (1) or
-#        CUDA's default, spinning a core in the waits outside raystream's own code (0)
+#   b=0|1 the engine's blocking_sync option: every GPU wait in a replica sleeps (1,
+#        shipped) or CUDA's default, spinning a core in the waits outside raystream's own
+#        code (0)
 #   base the server from another checkout of the code, $BASE (default build/base: e.g.
 #        `git archive <commit> | tar -x -C build/base`, carried to the GPU machine), with
 #        the same load generator: an A/B of a code change in one lease
