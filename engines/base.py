@@ -14,11 +14,18 @@ import numpy as np
 
 
 def normalize(images: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
-    """uint8 (N, H, W, C) crops -> float32 (N, C, H, W) with (x / 255 - mean) / std per channel."""
-    scale = (1.0 / (255.0 * std)).astype(np.float32)
-    shift = (-mean / std).astype(np.float32)
-    out = images.astype(np.float32) * scale + shift
-    return np.ascontiguousarray(out.transpose(0, 3, 1, 2))
+    """uint8 (N, H, W, C) crops -> float32 (N, C, H, W) with (x / 255 - mean) / std per channel.
+
+    Transposed while still uint8 (a quarter of float32's bytes through the strided copy),
+    then scaled in place: 5-6x faster than transposing the float32 result (1.1 against
+    6.5 ms for 8 crops on the CPU box), the same float32 values (docs/benchmarks.md).
+    """
+    scale = (1.0 / (255.0 * std)).astype(np.float32)[:, None, None]
+    shift = (-mean / std).astype(np.float32)[:, None, None]
+    out = np.ascontiguousarray(images.transpose(0, 3, 1, 2)).astype(np.float32)
+    out *= scale
+    out += shift
+    return out
 
 
 class EngineError(RuntimeError):

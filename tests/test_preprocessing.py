@@ -51,6 +51,12 @@ def test_normalize_matches_reference() -> None:
     got = normalize(images, SPEC.mean_array, SPEC.std_array)
     assert got.dtype == np.float32 and got.shape == (3, 3, 8, 8) and got.flags.c_contiguous
     np.testing.assert_allclose(got, expected, atol=1e-5)
+    # the float32 operations of the plain form (convert, scale, shift, then transpose):
+    # the same values, bit for bit, whatever the order of the copy
+    scale = (1.0 / (255.0 * SPEC.std_array)).astype(np.float32)
+    shift = (-SPEC.mean_array / SPEC.std_array).astype(np.float32)
+    plain = (images.astype(np.float32) * scale + shift).transpose(0, 3, 1, 2)
+    np.testing.assert_array_equal(got, plain)
 
 
 @pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF"])
