@@ -516,15 +516,14 @@ class Postprocess:
     def __init__(self, config: dict) -> None:
         self._labels = _load_model(AppConfig.model_validate(config)).spec.labels
 
-    def __call__(self, inferred: Inferred, top_k: int, scores: bool = False) -> Classified:
-        return postprocess(inferred, top_k, self._labels, scores)
-
     def many(
         self, inferred: list[Inferred | Exception], asks: list[tuple[int, bool]]
     ) -> list[Classified | Exception]:
         """Topology `chained`: many requests' (top_k, scores) in one Ray call; a request
         that failed upstream stays failed."""
         return [
-            result if isinstance(result, Exception) else self(result, top_k, scores)
+            result
+            if isinstance(result, Exception)
+            else postprocess(result, top_k, self._labels, scores)
             for result, (top_k, scores) in zip(inferred, asks, strict=True)
         ]
