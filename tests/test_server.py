@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import subprocess
@@ -271,6 +272,18 @@ async def test_load_generator_reports_what_it_sent(server, photos, tmp_path: Pat
     assert report.requests > 0 and not report.errors
     assert report.requests / report.requests_per_s < 3 + 2  # seconds the run took
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+
+async def test_every_input_path_gives_the_same_winners(server, model_repository, capsys) -> None:
+    """bench/input_paths.py, the check the GPU servers ran: JPEG bytes over both protocols,
+    unary and streamed, and client-made `pixels` give the same winners; bad input fails
+    alone with INVALID_ARGUMENT."""
+    spec = importlib.util.spec_from_file_location("input_paths", ROOT / "bench" / "input_paths.py")
+    input_paths = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(input_paths)
+    assert await input_paths.check(server, model_repository) == 0
+    out = capsys.readouterr().out
+    assert out.count("| 7 / 7 |") == 5 and out.count(": yes") == 4
 
 
 async def test_bench_cli_brackets_its_load_with_the_in_process_baseline(
