@@ -1,5 +1,5 @@
 """Every input path of a running server against its own answer for encoded photos, whatever
-engine it runs (the GPU engines' client-preprocessed paths had never been run on a GPU):
+engine it runs (written to run the GPU engines' client-preprocessed paths on a GPU):
 
   v1 images        raystream.v1 ClassifyOnce, JPEG bytes (the reference)
   v1 stream        raystream.v1 Classify, the same photos over one bidi stream
@@ -12,8 +12,10 @@ engine it runs (the GPU engines' client-preprocessed paths had never been run on
 and that bad input fails alone with INVALID_ARGUMENT (a junk image among good ones, pixels of
 the wrong shape, pixels holding NaN). Prints one row per path: top-1 agreement with the
 reference and the largest difference of the winner's probability; exits 1 when a winner
-differs or an error code is wrong. Pixels made on the CPU against a server decoding on the
-GPU (nvJPEG) may differ slightly in score, not in winner.
+differs or an error code is wrong. Against a server decoding with nvJPEG (`decode: gpu`),
+the client's PIL-made pixels differ in score and, for a close call, in winner (one photo of
+seven on the H200, docs/benchmarks.md 2n): start it with `--decode cpu` to compare like with
+like.
 
     python bench/input_paths.py --server 127.0.0.1:9000 [--repository models]
 """
