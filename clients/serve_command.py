@@ -312,6 +312,10 @@ def cmd_reconfigure(args: argparse.Namespace) -> int:
     """Apply KEY=VALUE changes to the batching user_config of the application that
     `raystream serve` started with the same config and flags, through Serve's deploy (each
     replica's `reconfigure`; no restart, since nothing else differs)."""
+    # As _wait_running's helper: a cluster that `serve run` started uses token auth, and a
+    # driver given its address must be told so before Ray is first imported (Ray reads it
+    # then), which _serve_config already does for topology direct.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     import yaml
 
     from serve_app.config import BatchingConfig
@@ -335,9 +339,6 @@ def cmd_reconfigure(args: argparse.Namespace) -> int:
         BatchingConfig.model_validate(user_config)
     except ValueError as exc:
         raise ConfigError(f"invalid user_config {user_config}:\n{exc}") from None
-    # As _wait_running's helper: a cluster that `serve run` started uses token auth, and a
-    # driver given its address must be told so before Ray is imported.
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
     from ray import serve
     from ray.serve.context import _get_global_client

@@ -183,11 +183,16 @@ def test_kuberay_rayservice_embeds_a_valid_serve_config() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT as a background job"])
-def test_raystream_serve_starts_serves_and_stops(model_repository, photos, tmp_path, stop) -> None:
-    """What `make serve` runs, as a user runs it: ready line, a classification, and SIGTERM
-    (docker stop, systemd) stopping everything the way Ctrl-C does; so does SIGINT sent to
-    a `raystream serve` that a script started in the background (SIGINT ignored at start)."""
+@pytest.mark.parametrize(
+    ("stop", "topology"), [("SIGTERM", "fused"), ("SIGINT as a background job", "direct")]
+)
+def test_raystream_serve_starts_serves_and_stops(
+    model_repository, photos, tmp_path, stop, topology
+) -> None:
+    """What `make serve` runs, as a user runs it: ready line, a classification, batching
+    changed at run time (`raystream reconfigure`), and SIGTERM (docker stop, systemd)
+    stopping everything the way Ctrl-C does; so does SIGINT sent to a `raystream serve`
+    that a script started in the background (SIGINT ignored at start)."""
     import os
     import signal
     import socket
@@ -207,7 +212,7 @@ def test_raystream_serve_starts_serves_and_stops(model_repository, photos, tmp_p
             "--model-repository",
             str(model_repository),
             "--topology",
-            "fused",
+            topology,
         ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -226,7 +231,8 @@ def test_raystream_serve_starts_serves_and_stops(model_repository, photos, tmp_p
             assert ready or server.poll() is None, "raystream serve exited before it was ready"
         assert f"gRPC on 127.0.0.1:{port}" in ready and "efficientnet-lite0" in ready
         # ready once Serve reports every replica up, not when the first one answers
-        assert "replicas running:" in ready and "Ingress 1" in ready and "Inference 1" in ready
+        assert "replicas running:" in ready and "Ingress 1" in ready
+        assert ("Inference 1" in ready) == (topology == "fused")
         photo = tmp_path / "chelsea.jpg"
         photo.write_bytes(photos["chelsea"])
         classify = subprocess.run(
@@ -251,7 +257,7 @@ def test_raystream_serve_starts_serves_and_stops(model_repository, photos, tmp_p
             reconfigure = subprocess.run(
                 [
                     *(sys.executable, "-m", "clients.cli", "reconfigure", change),
-                    *("--address", cluster, "--port", str(port), "--topology", "fused"),
+                    *("--address", cluster, "--port", str(port), "--topology", topology),
                     *("--model-repository", str(model_repository)),
                 ],
                 cwd=ROOT,
@@ -260,7 +266,8 @@ def test_raystream_serve_starts_serves_and_stops(model_repository, photos, tmp_p
                 timeout=120,
             )
             assert reconfigure.returncode == 0, reconfigure.stderr[-2000:]
-            assert "Inference user_config now" in reconfigure.stdout
+            batching = "Inference" if topology == "fused" else "Ingress"
+            assert f"{batching} user_config now" in reconfigure.stdout
             response = asyncio.run(_classify_once(f"127.0.0.1:{port}", [photo.read_bytes()] * 2))
             assert response.error.code == answer, response.error  # 8: RESOURCE_EXHAUSTED
         server.send_signal(signal.SIGINT if stop.startswith("SIGINT") else signal.SIGTERM)
