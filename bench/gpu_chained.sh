@@ -3,13 +3,14 @@
 # (or $CONFIG), each started once, then loaded with one-image requests and with requests of
 # 32, every load spread over $CONNECTIONS connections from two load-generator processes (the
 # ingress replicas share the port; each connection lands on one of them):
-#   VARIANTS="shipped i=4,p=2" bash bench/gpu_chained.sh
+#   VARIANTS="shipped i=1,p=1,log=1" bash bench/gpu_chained.sh   (against the config before 2n)
 # A variant is a comma-separated list of changes ("shipped": none):
 #   i=N   N Ingress replicas (num_cpus 0.25 each)
 #   p=N   N Postprocess replicas
-#   log=0 Serve's access log off in every deployment (one line per handle call)
+#   log=0|1 Serve's access log (one line per handle call in every deployment) off or on
 # `top` is sampled during each variant's one-image load. Logs and bench.json files go to
-# $LOGS (default $OUT/chained); the table is printed last.
+# $LOGS (default $OUT/chained), named by the variant with "=" and "," as "-" and "_" (names
+# the device copies back); the table is printed last.
 set -u
 if [ -f bench/gpu_env.sh ] && command -v nvidia-smi > /dev/null; then source bench/gpu_env.sh; fi
 OUT=${OUT:-/tmp/out}
@@ -45,22 +46,24 @@ PY
 }
 
 load() {  # load VARIANT LABEL BENCH_ARGS...
-  local variant=$1 label=$2; shift 2
+  local variant=$1 label=$2 tag; shift 2
+  tag=$(echo "$variant" | tr '=,' '-_')
   timeout 120 raystream bench --server "127.0.0.1:$PORT" --connections "$CONNECTIONS" \
-    --processes 2 --duration "$DURATION" --out "$LOGS/$variant.$label" "$@" 2>&1 \
-    | grep -v INFO > "$LOGS/$variant.$label.txt"
-  grep "img/s" "$LOGS/$variant.$label.txt" | sed "s/^ */$variant $label: /"
+    --processes 2 --duration "$DURATION" --out "$LOGS/$tag.$label" "$@" 2>&1 \
+    | grep -v INFO > "$LOGS/$tag.$label.txt"
+  grep "img/s" "$LOGS/$tag.$label.txt" | sed "s/^ */$variant $label: /"
 }
 
 for variant in ${VARIANTS:-shipped}; do
-  variant_config "$variant" "$LOGS/$variant.yaml" || exit 1
-  raystream serve --config "$LOGS/$variant.yaml" > "$LOGS/$variant.serve.log" 2>&1 &
+  tag=$(echo "$variant" | tr '=,' '-_')
+  variant_config "$variant" "$LOGS/$tag.yaml" || exit 1
+  raystream serve --config "$LOGS/$tag.yaml" > "$LOGS/$tag.serve.log" 2>&1 &
   pid=$!
-  for i in $(seq 240); do grep -q "raystream ready" "$LOGS/$variant.serve.log" && break; sleep 1; done
-  grep -q "raystream ready" "$LOGS/$variant.serve.log" || { tail -30 "$LOGS/$variant.serve.log"; exit 1; }
-  sleep 5  # every ingress replica up (the first one's line comes first)
+  for i in $(seq 240); do grep -q "raystream ready" "$LOGS/$tag.serve.log" && break; sleep 1; done
+  grep -q "raystream ready" "$LOGS/$tag.serve.log" || { tail -30 "$LOGS/$tag.serve.log"; exit 1; }
+  sleep 5  # a pause after the ready line (every replica is up by then), as in 2n's runs
   (sleep $((DURATION / 2 + 6)); top -b -c -d 2 -n 2 -w 160 | awk '/^top/{n++} n==2' | head -30 \
-    > "$LOGS/$variant.top.txt") &
+    > "$LOGS/$tag.top.txt") &
   load "$variant" one --streams 8 --in-flight 8 --batch-size 1
   wait $!
   load "$variant" b32 --streams 8 --in-flight 4 --batch-size 32
@@ -72,9 +75,11 @@ import json, pathlib, sys
 logs, variants = pathlib.Path(sys.argv[1]), sys.argv[2:]
 print("| variant | load | img/s | p50 / p99 ms | server mean ms: total / preprocess / inference | batch |")
 print("|---|---|---|---|---|---|")
+def tag(variant):
+    return variant.replace("=", "-").replace(",", "_")
 for v in variants:
     for label, name in (("one", "8 x 8 one-image"), ("b32", "8 x 4 x 32 images")):
-        path = logs / f"{v}.{label}" / "bench.json"
+        path = logs / f"{tag(v)}.{label}" / "bench.json"
         if not path.exists():
             print(f"| {v} | {name} | (no report) | | | |")
             continue
@@ -84,7 +89,7 @@ for v in variants:
               f"{s.get('total_ms', 0):.1f} / {s.get('preprocess_ms', 0):.1f} / "
               f"{s.get('inference_ms', 0):.1f} | {r['mean_batch_size']:.1f} |")
 for v in variants:
-    top = logs / f"{v}.top.txt"
+    top = logs / f"{tag(v)}.top.txt"
     if top.exists():
         print(f"\n{v}, top during the one-image load:")
         print("\n".join(line for line in top.read_text().splitlines()[6:16]))

@@ -14,7 +14,7 @@ timeout 150 raystream export --repository models --if-missing 2>&1 | tail -1
 raystream serve --config "${CONFIG:-deploy/serve_config.gpu-direct.yaml}" ${SERVE_ARGS:-} > "$LOGS/serve.log" 2>&1 &
 for i in $(seq 300); do grep -q "raystream ready" "$LOGS/serve.log" && break; sleep 1; done
 grep -q "raystream ready" "$LOGS/serve.log" || { tail -30 "$LOGS/serve.log"; exit 1; }
-sleep 20  # every replica up (the first one's line comes first)
+sleep 20  # a pause after the ready line (every replica is up by then), as in 2n's runs
 timeout 120 python3 bench/input_paths.py --server 127.0.0.1:9000 | tee "$LOGS/input_paths.txt"
 LOAD="--streams 16 --in-flight 4 --batch-size 8 --spread --connections 16 --processes 8"
 for kind in $([ "${LOADS:-1}" = 0 ] || echo images pixels images pixels); do
