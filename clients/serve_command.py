@@ -313,8 +313,8 @@ def cmd_reconfigure(args: argparse.Namespace) -> int:
     `raystream serve` started with the same config and flags, through Serve's deploy (each
     replica's `reconfigure`; no restart, since nothing else differs)."""
     # As _wait_running's helper: a cluster that `serve run` started uses token auth, and a
-    # driver given its address must be told so before Ray is first imported (Ray reads it
-    # then), which _serve_config already does for topology direct.
+    # driver given its address must be told so before Ray is first imported (Ray reads the
+    # setting then). Set first: _serve_config imports Ray for topology direct.
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     import yaml
 
