@@ -24,7 +24,8 @@
 # restart: each change starts from the variant's config) for the loads after it, whose
 # variant column then ends in "+KEY=VALUE,...". "nice:N" sets every replica thread's niceness
 # to N (Ray starts workers at 15, below the load generator's 0) for the loads after it, their
-# variant column ending in "+nice=N". PROFILE=LABEL (e.g. "8@7622") samples one
+# variant column ending in "+nice=N". "waits" prints the batch wait each replica uses now
+# (Ingress.batching's wait_s, which the adaptive mode moves), from 48 handle calls. PROFILE=LABEL (e.g. "8@7622") samples one
 # replica with py-spy (where on PATH: carry .whl with its wheel) during the loads of that
 # label, and takes a `top` of the machine: $LOGS/RUN.pyspy.txt (bench/profile_summary.py)
 # and RUN.top.txt.
@@ -58,6 +59,17 @@ threads = [int(t) for pid in pids for t in os.listdir(f"/proc/{pid}/task")]
 for tid in threads:
     os.setpriority(os.PRIO_PROCESS, tid, niceness)
 print(f"{len(pids)} replicas, {len(threads)} threads: niceness {niceness}")
+PY
+}
+
+batch_waits() {  # the batch wait in force, as replicas report it (48 calls, spread by Serve)
+  RAY_AUTH_MODE=token python3 - <<'PY' 2>&1 | tail -1
+import ray
+from ray import serve
+ray.init(address="auto", log_to_driver=False, logging_level="ERROR")
+ingress = serve.get_deployment_handle("Ingress", app_name="raystream")
+waits = sorted(ingress.batching.remote().result()["wait_s"] * 1000 for _ in range(48))
+print(f"batch waits now, ms over 48 calls: min {waits[0]:.2f} median {waits[24]:.2f} max {waits[-1]:.2f}")
 PY
 }
 
@@ -125,6 +137,8 @@ PY
     if [[ $b == u:* ]]; then
       changed=${b#u:}
       raystream reconfigure --config "/tmp/direct-$name.yaml" ${changed//,/ } 2>&1 | tail -1
+    elif [[ $b == waits ]]; then
+      batch_waits
     elif [[ $b == nice:* ]]; then
       niced=${b#nice:}
       renice_replicas "$niced"
@@ -143,7 +157,7 @@ done
 python3 - <<'PY'
 import json, os
 logs = os.environ["LOGS"]
-print("variant        images/request  served img/s  p50 ms  p99 ms  server p99  server ms: total / decode / engine  batch")
+print("variant        images/request  served img/s  p50 ms  p99 ms  server p99  server ms: total / decode / queue / engine  batch")
 for line in open(f"{logs}/runs.txt"):
     run, variant, label = line.split()
     if label == "warm-up":
@@ -156,6 +170,6 @@ for line in open(f"{logs}/runs.txt"):
     lat, s = r["latency_ms"], r["server_ms"]
     server_p99 = r.get("server_total_ms", {}).get("p99", 0)
     print(f"{variant:<14}  {label:>14}  {r['images_per_s']:12.0f}  {lat['p50']:6.1f}  {lat['p99']:6.1f}  {server_p99:10.1f}"
-          f"  {s.get('total_ms', 0):6.1f} / {s.get('preprocess_ms', 0):5.1f} / {s.get('inference_ms', 0):4.1f}"
+          f"  {s.get('total_ms', 0):6.1f} / {s.get('preprocess_ms', 0):5.1f} / {s.get('queue_ms', 0):5.2f} / {s.get('inference_ms', 0):4.1f}"
           f"  {r['mean_batch_size']:5.1f}  errors {r['errors'] or 0}")
 PY
