@@ -1,4 +1,6 @@
-"""Messages between the pipeline's stages: small frozen dataclasses, never bare tuples.
+"""Messages between the pipeline's stages: small frozen dataclasses, never bare tuples. The
+two made per image and label (ImageOutcome, Label: 8 to 48 of them for a request of 8) are
+NamedTuples, which cost half as much to make (0.45 us against 0.85-1.3 us) and read the same.
 
 Ingress --images--> Preprocess --Preprocessed--> Inference --Inferred--> Postprocess
         <-------------------------------- Classified --------------------------------
@@ -7,6 +9,7 @@ Ingress --images--> Preprocess --Preprocessed--> Inference --Inferred--> Postpro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -56,15 +59,13 @@ class Inferred:
     timing: StageTiming
 
 
-@dataclass(frozen=True)
-class Label:
+class Label(NamedTuple):
     class_id: int
     name: str
     score: float  # softmax probability
 
 
-@dataclass(frozen=True)
-class ImageOutcome:
+class ImageOutcome(NamedTuple):
     labels: tuple[Label, ...] = ()
     failure: ImageFailure | None = None
     # float32 (num_classes,): every class's probability, when the request asked for them
