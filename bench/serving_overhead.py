@@ -6,9 +6,11 @@ raystream fused and direct with the echo engine on an `identity` model whose inp
 the tiny 8x8 PNGs are decoded but not resized, and (5) the plain server and raystream fused
 and direct on that model sent the 8x8 model input itself (`pixels`, no decode anywhere): the
 pure serving path, and (6) raystream's direct servicer on a plain grpc.aio server in this
-process of its own (no Ray) on the same pixels. Every server answers one label per image
-(top_k 1). Prints images/s and the ratios to (1) and (2); the `pixels` rows also against the
-plain server on pixels.
+process of its own (no Ray) on the same pixels, and (7) LeanBatching, the least a Python server
+that batches this way must do, alone and in a Serve replica as topology direct runs: how close
+any Python design on Ray Serve can come to the plain server. Every server answers one label
+per image (top_k 1). Prints images/s and the ratios to (1) and (2); the `pixels` rows also
+against the plain server on pixels.
 
 Every server runs in a process of its own (the plain ones and the Ray-free servicer in a
 child process, raystream in its replicas), and every load comes from one more process
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import io
 import json
 import multiprocessing
@@ -82,6 +85,82 @@ class PlainEcho(pb_grpc.ImageClassifierServicer):
         return pb.ModelInfo(name="echo")
 
 
+class LeanBatching(pb_grpc.ImageClassifierServicer):
+    """The floor of a Python server that batches as raystream does, on `pixels` only: each
+    request's float32 rows join one queue; one worker takes up to `max_batch_size` images at
+    a time, runs the echo engine in an engine thread (one hop per batch) and answers every
+    request of the batch from one top-1 pass over its logits. No checks beyond the tensor's
+    shape, no deadlines, limits, metrics or logs, no failure isolation: what raystream's
+    direct servicer does beyond batching, it does not do."""
+
+    def __init__(self, repository: Path, model: str, max_batch_size: int = 32) -> None:
+        from engines.echo import EchoEngine
+        from engines.repository import resolve
+
+        ref = resolve(repository, model)
+        self._engine, self._names = EchoEngine(ref), ref.spec.labels
+        self._max = max_batch_size
+        self._pending: collections.deque = collections.deque()
+        self._arrived = asyncio.Event()
+        self._thread = ThreadPoolExecutor(1)
+        self._worker: asyncio.Task | None = None
+
+    async def _work(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._arrived.wait()
+            self._arrived.clear()
+            while self._pending:
+                batch, images = [], 0
+                while self._pending and (
+                    not batch or images + len(self._pending[0][1]) <= self._max
+                ):
+                    batch.append(self._pending.popleft())
+                    images += len(batch[-1][1])
+                pixels = np.concatenate([rows for _, rows, _ in batch])
+                logits = await loop.run_in_executor(self._thread, self._engine.infer, pixels)
+                ids = logits.argmax(axis=1)
+                shifted = logits - logits[np.arange(len(logits)), ids][:, None]
+                scores = (1.0 / np.exp(shifted).sum(axis=1)).tolist()
+                ids, row = ids.tolist(), 0
+                for request_id, rows, answers in batch:
+                    response = pb.ClassifyResponse(request_id=request_id)
+                    for i in range(row, row + len(rows)):
+                        response.results.add().labels.add(
+                            class_id=ids[i], name=self._names[ids[i]], score=scores[i]
+                        )
+                    row += len(rows)
+                    answers.put_nowait(response)
+
+    async def Classify(self, request_iterator, context):
+        if self._worker is None:
+            self._worker = asyncio.create_task(self._work())
+        answers: asyncio.Queue = asyncio.Queue()
+        unanswered, reading = 0, True
+
+        async def read() -> None:
+            nonlocal unanswered, reading
+            async for request in request_iterator:
+                shape = tuple(request.pixels.shape)
+                rows = np.frombuffer(request.pixels.data, "<f4").reshape(shape)
+                unanswered += 1
+                self._pending.append((request.request_id, rows, answers))
+                self._arrived.set()
+            reading = False
+            answers.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        while reading or unanswered:
+            response = await answers.get()
+            if response is not None:
+                unanswered -= 1
+                yield response
+        await reader
+
+    async def GetModelInfo(self, request, context):
+        return pb.ModelInfo(name="lean")
+
+
 def tiny_png() -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(np.full((8, 8, 3), 128, np.uint8)).save(buffer, "PNG")
@@ -116,6 +195,8 @@ def _serve_forever(ports, servicer: str, *args: object) -> None:
         server = grpc.aio.server()
         if servicer == "plain":
             service = PlainEcho(*args)
+        elif servicer == "lean":
+            service = LeanBatching(*args)
         else:
             service = await direct_service(*args)
         pb_grpc.add_ImageClassifierServicer_to_server(service, server)
@@ -179,6 +260,35 @@ def raystream_rate(
         serve.delete("raystream")
 
 
+def lean_in_replica_rate(workload: Workload, repository: Path, model: str) -> dict:
+    """LeanBatching's grpc.aio server in a Serve replica, on the replica's own event loop
+    (as topology direct runs: serve_app/app.py DIRECT_REPLICA_ENV)."""
+    from ray import serve
+
+    from serve_app.app import DIRECT_REPLICA_ENV
+
+    # The replica unpickles LeanBatching by reference to this module: bench/ on its path.
+    env = {**DIRECT_REPLICA_ENV, "PYTHONPATH": str(Path(__file__).resolve().parent)}
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0.25, "runtime_env": {"env_vars": env}})
+    class LeanReplica:
+        async def __init__(self) -> None:
+            self._server = grpc.aio.server()
+            service = LeanBatching(repository, model)
+            pb_grpc.add_ImageClassifierServicer_to_server(service, self._server)
+            self._port = self._server.add_insecure_port("127.0.0.1:0")
+            await self._server.start()
+
+        def port(self) -> int:
+            return self._port
+
+    handle = serve.run(LeanReplica.bind(), name="lean", route_prefix=None)
+    try:
+        return load_rate(f"127.0.0.1:{handle.port.remote().result()}", workload)
+    finally:
+        serve.delete("lean")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=4)
@@ -213,6 +323,12 @@ def main() -> None:
     results["direct servicer, no Ray, pixels"] = child_server_rate(
         on_pixels, "direct", identity, "identity"
     )
+    # The floor of any Python server that batches the same way (LeanBatching): between it
+    # and the plain server lies batching in Python; between it and the row above, raystream's
+    # checks, deadlines, failure isolation, metrics and logs.
+    results["lean batching server, no Ray, pixels"] = child_server_rate(
+        on_pixels, "lean", identity, "identity"
+    )
     env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"} if args.same_thread else {}
     ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     serve.start(proxy_location="Disabled")
@@ -228,6 +344,9 @@ def main() -> None:
         results[f"raystream {topology}, identity, pixels"] = raystream_rate(
             on_pixels, topology, identity, model="identity"
         )
+    results["lean batching server in a Serve replica, pixels"] = lean_in_replica_rate(
+        on_pixels, identity, "identity"
+    )
     serve.shutdown()
     ray.shutdown()
     base = results["plain grpc.aio"]["images_per_s"]
