@@ -33,7 +33,10 @@ def photos() -> dict[str, bytes]:
 
 @pytest.fixture(scope="session")
 def model_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The repository `make test` exported into; exported afresh when run without make."""
+    """The repository `make test` exported into; exported afresh when run without make (with
+    the torch weights where a CUDA GPU is, which the torch-cuda engine loads)."""
+    import torch
+
     from engines.export import export_model
     from engines.repository import list_versions
 
@@ -41,7 +44,7 @@ def model_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if list_versions(repo, "efficientnet-lite0"):
         return repo
     repo = tmp_path_factory.mktemp("models")
-    export_model(repo, "efficientnet-lite0", with_torch=False)
+    export_model(repo, "efficientnet-lite0", with_torch=torch.cuda.is_available())
     return repo
 
 
