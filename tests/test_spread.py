@@ -86,6 +86,30 @@ async def test_one_stream_reaches_every_replica_sharing_the_port() -> None:
         await asyncio.gather(*(server.stop(None) for server in servers))
 
 
+async def test_the_second_connection_dials_enough_to_find_the_second_replica(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernel hashes each new connection to one of the replicas sharing the port, so
+    dials in a row can all land on the replica already held: eight did 1 time in 256 with two
+    replicas, and a test here then saw one connection where it asked two. Here the first 12
+    dials land on a: the client still finds b (8 dials per replica it is looking for)."""
+    address, servers = await _serve([NamedReplica("a"), NamedReplica("b")])
+    landed = iter(["a"] * 12 + ["b"] * 100)
+
+    async def replica_of(self, stub, timeout, wait=False):  # where the kernel put the dial
+        return next(landed)
+
+    monkeypatch.setattr(Client, "_replica_of", replica_of)
+    try:
+        async with Client(address, connections=2) as client:
+            assert client.connections == 2 and await client.replicas() == ["a", "b"]
+        landed = iter(["a"] * 100)  # one replica only: the client gives up and keeps one
+        async with Client(address, connections=2) as client:
+            assert client.connections == 1
+    finally:
+        await asyncio.gather(*(server.stop(None) for server in servers))
+
+
 async def test_a_server_that_is_down_fails_the_connect_at_once() -> None:
     start = asyncio.get_running_loop().time()
     with pytest.raises(grpc.aio.AioRpcError) as raised:
