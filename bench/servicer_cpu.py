@@ -11,6 +11,11 @@ Rows, each in microseconds of process CPU (all threads) per request:
                        engine thread: the difference is the thread hop's cost (the server
                        always uses the thread; the echo engine is the only one that could
                        run inline, so this row measures the hop, not a mode)
+  stream               one bidi stream through the servicer's `Classify` (stream runner
+                       included), `--concurrency` requests in flight, no gRPC
+  lean stream          the same stream through bench/serving_overhead.py's LeanBatching, the
+                       least a Python server that batches this way does: what raystream's
+                       per-request work costs beyond batching is the difference
 
     python bench/servicer_cpu.py --requests 32000 --rounds 3
 """
@@ -29,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serving_overhead import direct_service, identity_repository, tiny_png
+from serving_overhead import LeanBatching, direct_service, identity_repository, tiny_png
 
 from clients.loadgen import model_input
 from raystream.v1 import classifier_pb2 as pb
@@ -53,6 +58,43 @@ async def cpu_per_request(job, requests: int, concurrency: int) -> float:
 
     start = time.process_time()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return (time.process_time() - start) / requests * 1e6
+
+
+class _Context:
+    """The little of grpc.aio.ServicerContext a stream without a deadline uses."""
+
+    def time_remaining(self) -> None:
+        return None
+
+
+async def stream_cpu_per_request(
+    servicer, request: pb.ClassifyRequest, requests: int, concurrency: int
+) -> float:
+    """Process CPU per request of one bidi stream through `servicer.Classify`, keeping
+    `concurrency` requests in flight (closed loop, as the load generator's streams); each
+    request a copy of `request` with an id of its own, made before the clock starts."""
+    stream = []
+    for i in range(requests):
+        stream.append(pb.ClassifyRequest())
+        stream[-1].CopyFrom(request)
+        stream[-1].request_id = str(i)
+    sent = answered = 0
+    slot = asyncio.Event()
+
+    async def send():
+        nonlocal sent
+        for item in stream:
+            while sent - answered >= concurrency:
+                slot.clear()
+                await slot.wait()
+            sent += 1
+            yield item
+
+    start = time.process_time()
+    async for _ in servicer.Classify(send(), _Context()):
+        answered += 1
+        slot.set()
     return (time.process_time() - start) / requests * 1e6
 
 
@@ -82,6 +124,7 @@ async def main() -> None:
             return stored
 
     without_pipeline = ClassifierService(service._config, service.model, StoredAnswer())
+    lean = LeanBatching(identity, "identity")
     engine_thread = inference._executor
     rows = {
         "respond": lambda: service._respond(request, "bench"),
@@ -99,6 +142,12 @@ async def main() -> None:
             rows["batch + engine"], args.requests, args.concurrency
         )
         inference._executor = engine_thread
+        results["stream"] = await stream_cpu_per_request(
+            service, request, args.requests, args.concurrency
+        )
+        results["lean stream"] = await stream_cpu_per_request(
+            lean, request, args.requests, args.concurrency
+        )
         print(f"round {round_}: " + "  ".join(f"{k} {v:6.1f}" for k, v in results.items()))
 
 
