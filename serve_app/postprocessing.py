@@ -45,11 +45,12 @@ def labels_for(logits: np.ndarray, k: int, names: Sequence[str]) -> list[tuple[L
             (Label(c, names[c], s),)
             for c, s in zip(ids.tolist(), (1.0 / total).tolist(), strict=True)
         ]
+    rows = rows[:, None]  # each row's index, against its k columns
     peak = x.max(axis=1, keepdims=True)
     total = np.exp(x - peak).sum(axis=1, dtype=np.float64)
     part = np.argpartition(x, -k, axis=1)[:, -k:]
-    ids = part[rows[:, None], np.argsort(-x[rows[:, None], part], axis=1, kind="stable")]
-    scores = np.exp(x[rows[:, None], ids].astype(np.float64) - peak) / total[:, None]
+    ids = part[rows, np.argsort(-x[rows, part], axis=1, kind="stable")]
+    scores = np.exp(x[rows, ids].astype(np.float64) - peak) / total[:, None]
     return [
         tuple([Label(c, names[c], s) for c, s in zip(row_ids, row_scores, strict=True)])
         for row_ids, row_scores in zip(ids.tolist(), scores.tolist(), strict=True)
