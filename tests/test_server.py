@@ -396,13 +396,23 @@ async def test_prometheus_metrics_move(server, photos, metrics_url) -> None:
     ]
     requests.append(pb.ClassifyRequest(request_id="good", images=[photos["coffee"]] * 2))
     await _stream(server, requests)
-    for _ in range(60):  # Ray's agent exports every second in the test cluster
+
+    def moved(text: str) -> bool:
+        # 3 good images beside the junk and 2 in the all-good request
+        return (
+            _metric(text, "ray_raystream_inference_request_total", code="OK") >= ok_before + 4
+            and _metric(text, "ray_raystream_inference_image_total", code="OK") >= images_before + 5
+            and _metric(text, "ray_raystream_inference_image_total", code="INVALID_ARGUMENT") >= 3
+        )
+
+    # Ray's agent exports every second in the test cluster, and a count from an earlier test
+    # can arrive after `before`: wait for every count, not the first to move.
+    for _ in range(60):
         text = await asyncio.to_thread(scrape)
-        if _metric(text, "ray_raystream_inference_request_total", code="OK") >= ok_before + 4:
+        if moved(text):
             break
         await asyncio.sleep(0.5)
     assert _metric(text, "ray_raystream_inference_request_total", code="OK") >= ok_before + 4
-    # 3 good images beside the junk and 2 in the all-good request
     assert _metric(text, "ray_raystream_inference_image_total", code="OK") >= images_before + 5
     assert _metric(text, "ray_raystream_inference_image_total", code="INVALID_ARGUMENT") >= 3
     assert _metric(text, "ray_raystream_request_duration_ms_count") >= 3
