@@ -19,6 +19,11 @@ any server or with a Ray driver.
 
     python bench/serving_overhead.py --streams 4 --in-flight 4 --batch-size 8 --duration 15
 
+With --max-batch-size N, raystream direct (its user_config, on Ray Serve and without Ray) and
+LeanBatching form engine batches of up to N images instead of their default 32 (the echo
+engine takes up to 64): each batch costs an engine-thread hop, so larger batches spread it
+over more requests. The fused rows keep the default.
+
 With --same-thread, Serve runs every replica's code on the replica's event loop thread
 (RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0) instead of a separate one. Topology direct does
 so anyway (serve_app/app.py DIRECT_REPLICA_ENV); RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=1
@@ -198,7 +203,10 @@ def _serve_forever(ports, servicer: str, *args: object) -> None:
         elif servicer == "lean":
             service = LeanBatching(*args)
         else:
-            service = await direct_service(*args)
+            repository, model, max_batch_size = args
+            service = await direct_service(repository, model)
+            if max_batch_size:
+                service._pipeline._inference.reconfigure({"max_batch_size": max_batch_size})
         pb_grpc.add_ImageClassifierServicer_to_server(service, server)
         ports.put(server.add_insecure_port("127.0.0.1:0"))
         await server.start()
@@ -237,7 +245,11 @@ def identity_repository(source: Path, model: str = "efficientnet-lite0") -> Path
 
 
 def raystream_rate(
-    workload: Workload, topology: str, repository: Path, model: str = "efficientnet-lite0"
+    workload: Workload,
+    topology: str,
+    repository: Path,
+    model: str = "efficientnet-lite0",
+    max_batch_size: int | None = None,
 ) -> dict:
     from ray import serve
 
@@ -254,13 +266,17 @@ def raystream_rate(
     )
     handle = serve.run(app, name="raystream", route_prefix=None)
     port = handle.port.remote().result()
+    if max_batch_size and topology == "direct":  # the one replica's user_config hook
+        handle.reconfigure.remote({"max_batch_size": max_batch_size}).result()
     try:
         return load_rate(f"127.0.0.1:{port}", workload)
     finally:
         serve.delete("raystream")
 
 
-def lean_in_replica_rate(workload: Workload, repository: Path, model: str) -> dict:
+def lean_in_replica_rate(
+    workload: Workload, repository: Path, model: str, max_batch_size: int = 32
+) -> dict:
     """LeanBatching's grpc.aio server in a Serve replica, on the replica's own event loop
     (as topology direct runs: serve_app/app.py DIRECT_REPLICA_ENV)."""
     from ray import serve
@@ -274,7 +290,7 @@ def lean_in_replica_rate(workload: Workload, repository: Path, model: str) -> di
     class LeanReplica:
         async def __init__(self) -> None:
             self._server = grpc.aio.server()
-            service = LeanBatching(repository, model)
+            service = LeanBatching(repository, model, max_batch_size)
             pb_grpc.add_ImageClassifierServicer_to_server(service, self._server)
             self._port = self._server.add_insecure_port("127.0.0.1:0")
             await self._server.start()
@@ -298,6 +314,7 @@ def main() -> None:
     parser.add_argument("--repository", type=Path, default=Path("models"))
     parser.add_argument("--json", type=Path)
     parser.add_argument("--same-thread", action="store_true", help="see the module docstring")
+    parser.add_argument("--max-batch-size", type=int, help="see the module docstring")
     args = parser.parse_args()
     workload = Workload(
         images=(tiny_png(),),
@@ -320,14 +337,15 @@ def main() -> None:
     # raystream's direct servicer and pipeline without Ray: between this and the plain
     # server lies raystream's per-request code; between this and `direct` on Ray Serve,
     # the replica's process and Ray's.
+    batch = args.max_batch_size
     results["direct servicer, no Ray, pixels"] = child_server_rate(
-        on_pixels, "direct", identity, "identity"
+        on_pixels, "direct", identity, "identity", batch
     )
     # The floor of any Python server that batches the same way (LeanBatching): between it
     # and the plain server lies batching in Python; between it and the row above, raystream's
     # checks, deadlines, failure isolation, metrics and logs.
     results["lean batching server, no Ray, pixels"] = child_server_rate(
-        on_pixels, "lean", identity, "identity"
+        on_pixels, "lean", identity, "identity", batch or 32
     )
     env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"} if args.same_thread else {}
     ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
@@ -342,10 +360,10 @@ def main() -> None:
         )
     for topology in ("fused", "direct"):
         results[f"raystream {topology}, identity, pixels"] = raystream_rate(
-            on_pixels, topology, identity, model="identity"
+            on_pixels, topology, identity, "identity", batch
         )
     results["lean batching server in a Serve replica, pixels"] = lean_in_replica_rate(
-        on_pixels, identity, "identity"
+        on_pixels, identity, "identity", batch or 32
     )
     serve.shutdown()
     ray.shutdown()
@@ -354,7 +372,8 @@ def main() -> None:
     base_pixels = results["plain grpc.aio, pixels"]["images_per_s"]
     print(
         f"{args.streams} streams x {args.in_flight} in flight, {args.batch_size} images "
-        f"(8x8 PNG) per request, {args.duration:.0f} s each"
+        f"(8x8 PNG) per request, {args.duration:.0f} s each, engine batches of up to "
+        f"{batch or 32} images (direct and lean)"
     )
     for name, r in results.items():
         print(
