@@ -25,8 +25,8 @@ def sweep(mode: dict, workloads: list[Workload], repository: Path, engine: str) 
     from ray import serve
 
     from serve_app.config import AppConfig
+    from serve_app.inference import Inference
     from serve_app.ingress import Ingress
-    from serve_app.stages import Inference
 
     config = AppConfig(
         model_repository=repository, port=0, topology="fused", engine={"kind": engine}

@@ -99,7 +99,7 @@ def _gil_probe(decoder, jpegs, seconds: float = 3.0) -> dict[str, float]:
 def _worker(args, index: int, barrier, results) -> None:
     from clients.loadgen import builtin_photos
     from engines.repository import resolve
-    from serve_app import stages
+    from serve_app import inference, stages
     from serve_app.config import AppConfig
     from serve_app.gpu_decode import GpuJpegDecoder
     from serve_app.preprocessing import DecodeLimits
@@ -110,14 +110,14 @@ def _worker(args, index: int, barrier, results) -> None:
     async def main() -> None:
         config = _config(args)
         preprocessor = stages.Preprocessor(AppConfig.model_validate(config))
-        replica = await stages.Inference.func_or_class.in_process(config)
+        replica = await inference.Inference.func_or_class.in_process(config)
         if args.gil_probe and index == 0:
             spec = resolve(args.repository, "efficientnet-lite0").spec.preprocess
             results.put(("gil", _gil_probe(GpuJpegDecoder(spec, DecodeLimits()), jpegs)))
         for _ in range(20):  # warm: the decoder, each resize size, the batch buckets
             await replica(await preprocessor.run(jpegs), 1)
         for piece in args.pieces:
-            stages.DECODE_PIECE = piece
+            inference.DECODE_PIECE = piece
             barrier.wait()
             rows = await _open_loop(
                 preprocessor, replica, jpegs, args.rate, args.seconds, seed=index * 1000 + piece

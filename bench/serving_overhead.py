@@ -219,9 +219,9 @@ async def direct_service(repository: Path, model: str, **extra: object):
     """raystream's servicer and pipeline as topology direct builds them (Ingress.__init__),
     with the echo engine, in this process and without Ray."""
     from serve_app.config import AppConfig
+    from serve_app.inference import Inference
     from serve_app.ingress import ClassifierService
     from serve_app.pipeline import LocalPipeline
-    from serve_app.stages import Inference
 
     args = {"model_repository": str(repository), "model": model, "engine": {"kind": "echo"}}
     args |= extra

@@ -9,8 +9,9 @@ from ray.serve import Application
 
 from engines.repository import resolve
 from serve_app.config import AppConfig
+from serve_app.inference import Inference
 from serve_app.ingress import Ingress
-from serve_app.stages import Inference, Postprocess, Preprocess
+from serve_app.stages import Postprocess, Preprocess
 
 # Topology direct: the replica runs raystream on Serve's own event loop, not on a second
 # loop in a second thread (Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED does the same). The

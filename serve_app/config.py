@@ -104,7 +104,7 @@ class BatchingConfig(_Strict):
     # batch_wait_timeout_s, as the longest that keeps the p99 of queue + engine time in the
     # replica under this many ms (serve_app/batching.py, AdaptiveWait).
     target_p99_ms: float = Field(0.0, ge=0.0)
-    # decode: gpu: batched nvJPEG calls a replica makes at once (serve_app/stages.py
+    # decode: gpu: batched nvJPEG calls a replica makes at once (serve_app/inference.py
     # DECODE_BATCHES). torchvision runs one call at a time per process, so more calls overlap
     # only the resize and copies; fewer merge more waiting requests into each call.
     decode_concurrency: int = Field(4, ge=1, le=4)

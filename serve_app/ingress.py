@@ -46,13 +46,13 @@ from serve_app.errors import (
     code_for,
     message_for,
 )
+from serve_app.inference import Inference
 from serve_app.messages import Classified, Preprocessed
 from serve_app.metrics import IngressMetrics, resident_memory_bytes
 from serve_app.oip import OpenInferenceService
 from serve_app.pipeline import ChainedPipeline, FusedPipeline, LocalPipeline, Pipeline
 from serve_app.preprocessing import client_pixels
 from serve_app.security import TokenAuth, server_credentials
-from serve_app.stages import Inference
 from serve_app.streams import Answer, Request, StreamRunner
 
 logger = logging.getLogger(__name__)

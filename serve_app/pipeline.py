@@ -28,8 +28,9 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.batching import DynamicBatcher
 from serve_app.config import AppConfig
+from serve_app.inference import Inference
 from serve_app.messages import Classified, Preprocessed
-from serve_app.stages import Inference, Preprocessor
+from serve_app.stages import Preprocessor
 
 
 class Pipeline(Protocol):

@@ -190,7 +190,7 @@ async def test_replica_user_config_sets_every_batcher(model_repository) -> None:
     import numpy as np
 
     from serve_app.config import AppConfig
-    from serve_app.stages import Inference
+    from serve_app.inference import Inference
 
     config = AppConfig(model_repository=model_repository, engine={"kind": "onnxruntime"})
     replica = await Inference.func_or_class.in_process(config.model_dump())

@@ -52,12 +52,12 @@ def _redeploy_need(deployments: list[dict]) -> dict[str, float]:
     """CPUs and GPUs that Ray must find while a redeploy runs: each deployment's replicas
     (autoscaled ones at their minimum) plus the surge of new ones started before the old
     stop (`max_surge_percent`)."""
-    from serve_app import ingress, stages
+    from serve_app import inference, ingress, stages
 
     defaults = {
         "Ingress": ingress.Ingress,
         "Preprocess": stages.Preprocess,
-        "Inference": stages.Inference,
+        "Inference": inference.Inference,
         "Postprocess": stages.Postprocess,
     }
     need = {"CPU": 0.0, "GPU": 0.0}

@@ -163,7 +163,7 @@ async def test_inference_replica_decodes_waiting_requests_together(
     CPU): requests that wait together decode in one call, and each keeps its own answers."""
     from serve_app import gpu_decode
     from serve_app.config import BatchingConfig
-    from serve_app.stages import Inference
+    from serve_app.inference import Inference
 
     decoder = _PilBatchDecoder()
     calls = decoder.calls
@@ -214,7 +214,7 @@ async def test_gpu_replica_keeps_crops_on_the_gpu_and_answers_each_image(
     GPU-decoded JPEGs with CPU-decoded images and junk, batched together and one split in
     decode pieces, each get their own labels in their own order."""
     from serve_app.config import BatchingConfig, EngineConfig
-    from serve_app.stages import Inference
+    from serve_app.inference import Inference
 
     config = AppConfig(
         model_repository=model_repository,

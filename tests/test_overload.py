@@ -18,8 +18,8 @@ def small_queue_server(ray_cluster, model_repository):
     from ray import serve
 
     from serve_app.config import AppConfig
+    from serve_app.inference import Inference
     from serve_app.ingress import Ingress
-    from serve_app.stages import Inference
 
     config = AppConfig(
         model_repository=model_repository, port=0, topology="fused", engine={"kind": "onnxruntime"}

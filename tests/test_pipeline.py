@@ -13,8 +13,9 @@ import pytest
 
 from serve_app.config import AppConfig, EngineConfig
 from serve_app.errors import DeadlineExceeded
+from serve_app.inference import Inference
 from serve_app.pipeline import ChainedPipeline, FusedPipeline
-from serve_app.stages import Inference, Postprocess, Preprocess
+from serve_app.stages import Postprocess, Preprocess
 
 
 class _Local:
