@@ -38,7 +38,7 @@ from serving_overhead import LeanBatching, direct_service, identity_repository, 
 
 from clients.loadgen import model_input
 from raystream.v1 import classifier_pb2 as pb
-from serve_app.ingress import ClassifierService
+from serve_app.classifier import ClassifierService
 from serve_app.messages import Preprocessed
 
 

@@ -218,9 +218,9 @@ def _serve_forever(ports, servicer: str, *args: object) -> None:
 async def direct_service(repository: Path, model: str, **extra: object):
     """raystream's servicer and pipeline as topology direct builds them (Ingress.__init__),
     with the echo engine, in this process and without Ray."""
+    from serve_app.classifier import ClassifierService
     from serve_app.config import AppConfig
     from serve_app.inference import Inference
-    from serve_app.ingress import ClassifierService
     from serve_app.pipeline import LocalPipeline
 
     args = {"model_repository": str(repository), "model": model, "engine": {"kind": "echo"}}

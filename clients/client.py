@@ -33,7 +33,7 @@ from clients.spread import STREAM_ENDED, StreamFn, as_async, error_response, spr
 from raystream.v1 import classifier_pb2 as pb
 from raystream.v1 import classifier_pb2_grpc as pb_grpc
 
-REPLICA_METADATA = "raystream-replica"  # serve_app/ingress.py sets it on GetModelInfo
+REPLICA_METADATA = "raystream-replica"  # serve_app/classifier.py sets it on GetModelInfo
 # New connections dialed per ingress replica sought: the kernel hashes each connection to
 # one of R replicas sharing the port, so 8R dials all miss a given one with a chance < 0.04%
 # (two replicas: 16 dials, 1 in 65,536).

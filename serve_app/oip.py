@@ -122,7 +122,7 @@ def _top_k(request: oip.ModelInferRequest) -> dict[str, int]:
 
 class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
     def __init__(self, classifier) -> None:
-        self._classifier = classifier  # serve_app.ingress.ClassifierService
+        self._classifier = classifier  # serve_app.classifier.ClassifierService
         self._name, self._version, self._engine = classifier.model
 
     def _check_model(self, name: str, version: str = "") -> None:
