@@ -45,9 +45,11 @@ yaml.safe_dump(config, open(path, "w"), sort_keys=False)
 PY
 }
 
+tag_of() { echo "$1" | tr '=,' '-_'; }  # a variant as a file name the device copies back
+
 load() {  # load VARIANT LABEL BENCH_ARGS...
   local variant=$1 label=$2 tag; shift 2
-  tag=$(echo "$variant" | tr '=,' '-_')
+  tag=$(tag_of "$variant")
   timeout 120 raystream bench --server "127.0.0.1:$PORT" --connections "$CONNECTIONS" \
     --processes 2 --duration "$DURATION" --out "$LOGS/$tag.$label" "$@" 2>&1 \
     | grep -v INFO > "$LOGS/$tag.$label.txt"
@@ -55,7 +57,7 @@ load() {  # load VARIANT LABEL BENCH_ARGS...
 }
 
 for variant in ${VARIANTS:-shipped}; do
-  tag=$(echo "$variant" | tr '=,' '-_')
+  tag=$(tag_of "$variant")
   variant_config "$variant" "$LOGS/$tag.yaml" || exit 1
   raystream serve --config "$LOGS/$tag.yaml" > "$LOGS/$tag.serve.log" 2>&1 &
   pid=$!

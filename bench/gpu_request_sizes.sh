@@ -26,9 +26,9 @@
 # to N (Ray starts workers at 15, below the load generator's 0) for the loads after it, their
 # variant column ending in "+nice=N". "waits" prints the batch wait each replica uses now
 # (Ingress.batching's wait_s, which the adaptive mode moves), from 48 handle calls.
-# PROFILE=LABEL (e.g. "8@7622") samples one replica with py-spy (where on PATH: carry .whl with its wheel) during the loads of that
-# label, and takes a `top` of the machine: $LOGS/RUN.pyspy.txt (bench/profile_summary.py)
-# and RUN.top.txt.
+# PROFILE=LABEL (e.g. "8@7622") samples one replica with py-spy (where on PATH: carry .whl
+# with its wheel) during the loads of that label, and takes a `top` of the machine:
+# $LOGS/RUN.pyspy.txt (bench/profile_summary.py) and RUN.top.txt.
 # SATURATE=1 adds, per variant, the saturating closed loop (16 streams x 16 requests of 32 in
 # flight from 8 processes, spread over every replica), twice, the first as warm-up. Logs and
 # bench.json files go to $LOGS (default $OUT/sizes); the table is printed last.

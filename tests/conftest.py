@@ -35,14 +35,14 @@ def photos() -> dict[str, bytes]:
 def model_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The repository `make test` exported into; exported afresh when run without make (with
     the torch weights where a CUDA GPU is, which the torch-cuda engine loads)."""
-    import torch
-
     from engines.export import export_model
     from engines.repository import list_versions
 
     repo = ROOT / "models"
     if list_versions(repo, "efficientnet-lite0"):
         return repo
+    import torch  # only to export: importing it costs seconds
+
     repo = tmp_path_factory.mktemp("models")
     export_model(repo, "efficientnet-lite0", with_torch=torch.cuda.is_available())
     return repo
