@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -174,6 +175,8 @@ class Inference:
         }
         for batcher in self._batchers.values():
             batcher.set_concurrency(self._default_concurrency)
+        if self._gpu_decoder is not None:
+            await self._warm_decoder()
         logger.info("engine ready: %s", self._engine.info)
 
     @classmethod
@@ -339,6 +342,24 @@ class Inference:
             timing=timing,
             jpegs=(),
             jpeg_indices=(),
+        )
+
+    async def _warm_decoder(self) -> None:
+        """Every decode thread decodes once, then the engine runs those crops as requests'
+        crops reach it (on the GPU or the host), before the replica reports ready."""
+        barrier = threading.Barrier(DECODE_BATCHES, timeout=120)
+
+        def warm():
+            barrier.wait()  # one job per thread: none may take a second before all started
+            return self._gpu_decoder.warmup()
+
+        loop = asyncio.get_running_loop()
+        jobs = [loop.run_in_executor(self._decode_executor, warm) for _ in range(DECODE_BATCHES)]
+        crops = (await asyncio.gather(*jobs))[0].pixels
+        if not (self._crops_on_device and crops.is_cuda):
+            crops = crops.cpu().numpy()
+        await loop.run_in_executor(
+            self._executor, self._engine.infer_uint8, crops, self._mean, self._std
         )
 
     async def _decode_batch(self, requests: list[list[bytes]]) -> list[list]:

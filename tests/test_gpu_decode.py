@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import importlib.util
 import io
+import threading
 
 import numpy as np
 import pytest
@@ -106,13 +107,14 @@ def test_crops_of_mixed_sizes_in_one_batch_equal_one_at_a_time(model, photos) ->
 class _PilBatchDecoder:
     """Stands in for torchvision's batched nvJPEG on a CPU box: same inputs and outputs, and
     like nvJPEG one bad JPEG fails the whole call with a RuntimeError. Counts the JPEGs of
-    each call."""
+    each call, and notes the thread that made it."""
 
     def __init__(self) -> None:
-        self.calls = []
+        self.calls, self.threads = [], []
 
     def __call__(self, jpegs: list[bytes]) -> list[torch.Tensor]:
         self.calls.append(len(jpegs))
+        self.threads.append(threading.current_thread().name)
         out = []
         for jpeg in jpegs:
             try:
@@ -163,7 +165,7 @@ async def test_inference_replica_decodes_waiting_requests_together(
     CPU): requests that wait together decode in one call, and each keeps its own answers."""
     from serve_app import gpu_decode
     from serve_app.config import BatchingConfig
-    from serve_app.inference import Inference
+    from serve_app.inference import DECODE_BATCHES, Inference
 
     decoder = _PilBatchDecoder()
     calls = decoder.calls
@@ -185,7 +187,9 @@ async def test_inference_replica_decodes_waiting_requests_together(
         [photos["chelsea"], photos["chelsea"]],
     ]
     pres = [await preprocessor.run(images) for images in requests]
-    calls.clear()  # the replica's start-up
+    # Start-up warmed every decode thread, once each, before the replica was ready.
+    assert calls == [2] * DECODE_BATCHES and len(set(decoder.threads)) == DECODE_BATCHES
+    calls.clear()
     answers = await asyncio.gather(*(replica(pre, 1) for pre in pres))
     top = [
         [o.labels[0].class_id if o.labels else o.failure.code for o in a.outcomes] for a in answers
