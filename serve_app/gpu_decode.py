@@ -137,7 +137,7 @@ def _sample_jpeg(width: int, height: int) -> bytes:
     """A real JPEG of a colour gradient, made here (no file to ship)."""
     x = np.linspace(0, 255, width, dtype=np.float32)[None, :, None]
     y = np.linspace(0, 255, height, dtype=np.float32)[:, None, None]
-    pixels = np.broadcast_to((x + y + np.array([0.0, 60.0, 120.0])) % 256, (height, width, 3))
+    pixels = (x + y + np.array([0.0, 60.0, 120.0])) % 256  # (height, width, 3)
     buffer = io.BytesIO()
     Image.fromarray(pixels.astype(np.uint8)).save(buffer, "JPEG", quality=90)
     return buffer.getvalue()
