@@ -10,7 +10,10 @@ and `max_delay_s` optionally waits for company. Cancelled requests, and requests
 deadline passed while queued (`DeadlineExceeded`), are dropped before they reach the engine;
 a full queue rejects at once (`Overloaded`). With `spread`, a worker that finds others idle
 takes only its share of the queue, so work split into pieces runs on every idle worker at
-once (the GPU decoder: part of nvJPEG's work runs on the calling thread).
+once (the GPU decoder: part of nvJPEG's work runs on the calling thread). With
+`spill_after_s`, a request that waited that long while every worker was busy goes in an extra
+batch of its own (up to `max_spill` of them at once): the pipeline's Ray calls use it so that
+calls stuck on slow work (a client's expensive images) do not hold everyone else's requests.
 
 `AdaptiveWait` picks `max_delay_s` at run time: the longest wait (so the largest batches)
 that keeps the measured p99 of queue + engine time under a target.
@@ -105,12 +108,17 @@ class DynamicBatcher(Generic[T, R]):
         max_concurrent: int = 1,
         max_queued: int = 4096,
         spread: bool = False,
+        spill_after_s: float | None = None,
+        max_spill: int = 0,
     ) -> None:
         self._run, self._size_of = run, size_of
         self.max_batch_size, self.max_delay_s = max_batch_size, max_delay_s
         self.max_queued = max_queued  # images waiting; past this, submit() raises Overloaded
         self.adaptive: AdaptiveWait | None = None  # set: it chooses max_delay_s
         self.spread = spread
+        self._spill_after_s, self._max_spill = spill_after_s, max_spill
+        self._spilled = 0  # extra batches running
+        self._spill_timer: asyncio.TimerHandle | None = None
         self._running = 0  # workers running a batch
         self._queue: collections.deque[_Pending[T, R]] = collections.deque()
         self._queued_images = 0
@@ -137,6 +145,14 @@ class DynamicBatcher(Generic[T, R]):
         self._queue.append(pending)
         self._queued_images += size
         self._arrived.set()
+        if (
+            self._spill_after_s is not None
+            and self._spill_timer is None
+            and self._running >= self.concurrency
+        ):
+            self._spill_timer = asyncio.get_running_loop().call_later(
+                self._spill_after_s, self._spill
+            )
         result = await pending.future
         waited_ms = (time.perf_counter() - pending.enqueued) * 1000.0
         if self.adaptive is not None:
@@ -172,6 +188,28 @@ class DynamicBatcher(Generic[T, R]):
             images += head.size
         return batch
 
+    def _spill(self) -> None:
+        """Every worker stayed busy while the queue's head waited `spill_after_s`: run what
+        is queued as an extra batch, and check again later while that lasts."""
+        self._spill_timer = None
+        if not self._queue or self._running < self.concurrency:
+            return
+        waited = time.perf_counter() - self._queue[0].enqueued
+        if waited >= self._spill_after_s and self._spilled < self._max_spill:
+            batch = self._take()
+            if batch:
+                self._spilled += 1
+                task = asyncio.ensure_future(self._run_batch(batch))
+                task.add_done_callback(self._spill_done)
+            waited = 0.0
+        if self._queue:
+            self._spill_timer = asyncio.get_running_loop().call_later(
+                max(self._spill_after_s - waited, 0.001), self._spill
+            )
+
+    def _spill_done(self, _task: asyncio.Task) -> None:
+        self._spilled -= 1
+
     def set_concurrency(self, batches: int) -> None:
         if not 1 <= batches <= len(self._workers):
             raise ValueError(
@@ -206,17 +244,21 @@ class DynamicBatcher(Generic[T, R]):
                 self.adaptive.waited(found_company=len(batch) > 1)
             self._running += 1
             try:
-                results = await self._run([p.item for p in batch])
-            except Exception as exc:
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(exc)
-                continue
+                await self._run_batch(batch)
             finally:
                 self._running -= 1
-            for p, result in zip(batch, results, strict=True):
+
+    async def _run_batch(self, batch: list[_Pending[T, R]]) -> None:
+        try:
+            results = await self._run([p.item for p in batch])
+        except Exception as exc:
+            for p in batch:
                 if not p.future.done():
-                    p.future.set_result(result)
+                    p.future.set_exception(exc)
+            return
+        for p, result in zip(batch, results, strict=True):
+            if not p.future.done():
+                p.future.set_result(result)
 
     async def close(self) -> None:
         for worker in self._workers:

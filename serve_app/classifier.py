@@ -33,6 +33,7 @@ from serve_app.errors import (
     InvalidArgument,
     ModelNotFound,
     Overloaded,
+    clip,
     code_for,
     message_for,
 )
@@ -61,7 +62,9 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         self._pipeline = pipeline
         self.requests_started = 0
         self.requests_in_flight = 0  # requests being answered, all streams and calls
-        self._streams = StreamRunner(config.limits.max_in_flight_per_stream)
+        self._streams = StreamRunner(
+            config.limits.max_in_flight_per_stream, config.limits.max_stream_buffer_bytes
+        )
         self._metrics = IngressMetrics()
         self._metrics_export: asyncio.Task | None = None
         self._log_sample_rate = config.log_sample_rate
@@ -93,7 +96,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
     def _check_model(self, model: str) -> None:
         if model and model not in (self._name, f"{self._name}/{self._version}"):
             raise ModelNotFound(
-                f"model {model!r} is not served here; this server serves "
+                f"model {clip(model)!r} is not served here; this server serves "
                 f"{self._name!r} version {self._version!r}"
             )
 
@@ -105,6 +108,19 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
             )
         return top_k
 
+    def request_id(self, request_id: str) -> str:
+        """`request_id` as answers echo it: cut to `max_request_id_chars` (the request is
+        then refused: check_request_id), so no answer or log line grows with it."""
+        return request_id[: self._config.limits.max_request_id_chars]
+
+    def check_request_id(self, request_id: str) -> None:
+        limit = self._config.limits.max_request_id_chars
+        if len(request_id) > limit:
+            raise InvalidArgument(
+                f"request_id is {len(request_id)} characters, over the limit of {limit}; "
+                f"the answer carries its first {limit}"
+            )
+
     # -- one request ----------------------------------------------------------------------
 
     async def _classify(
@@ -113,6 +129,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         budget_s: float | None,
         pixels: np.ndarray | None,
         scores: bool,
+        flow: str,
     ) -> Classified:
         self._check_model(request.model)
         top_k = self._top_k(request)
@@ -130,7 +147,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
             pre = Preprocessed(len(pixels), pixels, indices, (), deadline=deadline)
             work = self._pipeline.classify_preprocessed(pre, top_k, scores)
         else:
-            work = self._pipeline.classify(list(request.images), top_k, deadline, scores)
+            work = self._pipeline.classify(list(request.images), top_k, deadline, scores, flow)
         if budget_s is None:  # no timer: entering one costs microseconds a request (py-spy)
             return await work
         timer = asyncio.timeout(budget_s)
@@ -179,7 +196,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         start = time.perf_counter()
         probabilities = None
         failed: list[int] = []  # the status codes of the images that failed
-        response = pb.ClassifyResponse(request_id=request.request_id)
+        response = pb.ClassifyResponse(request_id=self.request_id(request.request_id))
         self.requests_in_flight += 1
         if self._metrics_export is None:
             self._metrics_export = asyncio.create_task(self._export_metrics())
@@ -189,6 +206,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
                     f"server has {self.requests_in_flight - 1} requests in flight, the limit "
                     f"is {self._config.limits.max_in_flight_requests}; retry later"
                 )
+            self.check_request_id(request.request_id)
             self.requests_started += 1
             if pixels is None and request.HasField("pixels"):
                 if request.images:
@@ -199,7 +217,9 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
                 )
             if request.images or pixels is not None:
                 budget = _budget_s(request, context)
-                classified = await self._classify(request, budget, pixels, scores)
+                # A stream is a flow of its own; unary calls share their connection's.
+                flow = stream if stream != "unary" or context is None else context.peer()
+                classified = await self._classify(request, budget, pixels, scores, flow)
                 failed = _fill(response, classified)
                 if scores:
                     rows = [outcome.scores for outcome in classified.outcomes]
@@ -211,7 +231,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         except Exception as exc:
             code = code_for(exc)
             if code == 13:
-                logger.exception("request %r failed", request.request_id)
+                logger.exception("request %r failed", response.request_id)
             response.error.code, response.error.message = int(code), message_for(exc)
             del response.results[:]
             failed = []
@@ -281,7 +301,7 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
             response = _error_response(
                 request,
                 DuplicateRequest(
-                    f"request_id {request.request_id!r} is already in flight on this stream"
+                    f"request_id {clip(request.request_id)!r} is already in flight on this stream"
                 ),
             )
             self._record(response, stream)
@@ -291,10 +311,16 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
             request_iterator,
             context,
             lambda request: self._respond(request, stream, context),
-            key=lambda request: request.request_id,
+            key=self._duplicate_key,
             duplicate=duplicate,
+            size=pb.ClassifyRequest.ByteSize,
         ):
             yield response
+
+    def _duplicate_key(self, request: pb.ClassifyRequest) -> str:
+        """Ids over the limit are refused by _answer, never matched as duplicates."""
+        request_id = request.request_id
+        return "" if len(request_id) > self._config.limits.max_request_id_chars else request_id
 
     async def serve_stream(
         self,
@@ -303,10 +329,11 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
         answer: Callable[[Request], Awaitable[Answer]],
         key: Callable[[Request], str] | None = None,
         duplicate: Callable[[Request], Answer] | None = None,
+        size: Callable[[Request], int] = lambda request: 0,
     ) -> AsyncIterator[Answer]:
         """A bidi stream of either protocol through the stream runner (serve_app/streams.py);
         on drain it ends UNAVAILABLE once everything it read is answered."""
-        async for item in self._streams.run(request_iterator, answer, key, duplicate):
+        async for item in self._streams.run(request_iterator, answer, key, duplicate, size):
             yield item
         if self._streams.draining:
             # What the client sent after reading stopped was never read: safe to resend.
@@ -319,6 +346,10 @@ class ClassifierService(pb_grpc.ImageClassifierServicer):
     def drain(self) -> None:
         """Shutdown: every stream stops reading, answers what it read, then ends UNAVAILABLE."""
         self._streams.drain()
+
+    @property
+    def draining(self) -> bool:
+        return self._streams.draining
 
     async def ClassifyOnce(self, request, context):
         return await self._respond(request, "unary", context)
@@ -360,7 +391,7 @@ def _code_name(code: int) -> str:
 
 
 def _error_response(request: pb.ClassifyRequest, exc: Exception) -> pb.ClassifyResponse:
-    response = pb.ClassifyResponse(request_id=request.request_id)
+    response = pb.ClassifyResponse(request_id=request.request_id)  # a duplicate: id in bounds
     response.error.code, response.error.message = int(code_for(exc)), message_for(exc)
     return response
 

@@ -29,7 +29,15 @@ class LimitsConfig(_Strict):
     max_image_bytes: int = Field(20 * 1024 * 1024, ge=1)
     max_image_pixels: int = Field(40_000_000, ge=1)
     max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024)  # gRPC receive limit
-    max_in_flight_per_stream: int = Field(64, ge=1)  # more are not read until one finishes
+    # A stream holds at most this many requests, and this many bytes of them, read and not
+    # yet answered; past either it is not read (HTTP/2 flow control slows the client). An
+    # answer counts until gRPC has sent it, so a client that stops reading is bounded too.
+    max_in_flight_per_stream: int = Field(64, ge=1)
+    max_stream_buffer_bytes: int = Field(64 * 1024 * 1024, ge=1)
+    max_request_id_chars: int = Field(256, ge=1)  # longer ids: INVALID_ARGUMENT
+    # Pixels one request may make the decoder decode (after JPEG DCT scaling): images past it
+    # fail alone (INVALID_ARGUMENT). Bounds the CPU one request can ask for.
+    max_request_pixels: int = Field(200_000_000, ge=1)
     max_in_flight_requests: int = Field(4096, ge=1)  # all streams and calls; past it: refused
     drain_timeout_s: float = Field(10.0, ge=0.0)  # shutdown: time to answer what was read
 

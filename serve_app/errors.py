@@ -95,12 +95,21 @@ def code_for(exc: BaseException) -> Code:
     return Code.INTERNAL
 
 
+MAX_MESSAGE_CHARS = 1024  # what an error message may carry back to a client or into a log
+
+
+def clip(text: str, limit: int = 80) -> str:
+    """`text` cut to `limit` characters: client-given strings that messages and logs echo."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def message_for(exc: BaseException) -> str:
-    """A one-line message for clients: our own messages as written, others by type."""
+    """A one-line message for clients: our own messages as written, others by type; never
+    longer than MAX_MESSAGE_CHARS."""
     if isinstance(exc, RaystreamError):
-        return str(exc)
+        return clip(str(exc), MAX_MESSAGE_CHARS)
     cause = getattr(exc, "cause", None)  # RayTaskError wraps the replica's exception
     if isinstance(cause, RaystreamError):
-        return str(cause)
+        return clip(str(cause), MAX_MESSAGE_CHARS)
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+    return clip(f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": "), MAX_MESSAGE_CHARS)

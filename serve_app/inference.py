@@ -156,6 +156,7 @@ class Inference:
                 spread=True,
             )
         self._batching = BatchingConfig()
+        self._rejected: str | None = None  # the last user_config refused, and why
         self._metrics = InferenceMetrics()
         self._images_inferred = 0
         # GPU-decoded crops stay on the GPU when the engine is there (no copy to the host
@@ -189,12 +190,21 @@ class Inference:
         return inference
 
     def reconfigure(self, user_config: dict) -> None:
-        batching = BatchingConfig.model_validate(user_config)
-        if batching.max_batch_size > self._engine.info.max_batch_size:
-            raise ValueError(
-                f"max_batch_size must be at most the engine's "
-                f"{self._engine.info.max_batch_size}, got {batching.max_batch_size}"
-            )
+        """Apply a new batching user_config; one this replica cannot apply is logged and
+        ignored, and the settings in force stay. (Raising would make Serve replace the
+        replica, and every replacement would fail the same way: no replica would serve.)"""
+        try:
+            batching = BatchingConfig.model_validate(user_config)
+            if batching.max_batch_size > self._engine.info.max_batch_size:
+                raise ValueError(
+                    f"max_batch_size must be at most the engine's "
+                    f"{self._engine.info.max_batch_size}, got {batching.max_batch_size}"
+                )
+        except ValueError as exc:
+            self._rejected = f"{user_config}: {exc}"
+            logger.error("user_config refused, keeping %s: %s", self._batching, self._rejected)
+            return
+        self._rejected = None
         self._batching = batching
         for batcher in self._batchers.values():
             batcher.max_batch_size = batching.max_batch_size
@@ -232,7 +242,11 @@ class Inference:
     def batching(self) -> dict:
         """The batching settings in force (tests: user_config changes apply live) and the
         batch wait now in use (the adaptive mode moves it)."""
-        return {**self._batching.model_dump(), "wait_s": self._batchers[np.uint8].max_delay_s}
+        return {
+            **self._batching.model_dump(),
+            "wait_s": self._batchers[np.uint8].max_delay_s,
+            "refused": self._rejected,
+        }
 
     async def _run_engine(self, chunks: list) -> list[_Ran]:
         """One engine batch from several requests' pixels; split back per request."""

@@ -26,7 +26,7 @@ import numpy as np
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from raystream.v1 import classifier_pb2 as pb
-from serve_app.errors import InvalidArgument
+from serve_app.errors import InvalidArgument, clip
 from serve_app.preprocessing import client_pixels
 
 INPUT, SCORES, LABELS = "images", "probabilities", "labels"
@@ -115,7 +115,7 @@ def _top_k(request: oip.ModelInferRequest) -> dict[str, int]:
         else:
             raise _Rejected(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"unknown output {output.name!r}; outputs: {SCORES}, {LABELS}",
+                f"unknown output {clip(output.name)!r}; outputs: {SCORES}, {LABELS}",
             )
     return wanted
 
@@ -129,7 +129,7 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
         if name != self._name or version not in ("", self._version):
             raise _Rejected(
                 grpc.StatusCode.NOT_FOUND,
-                f"model {name!r} version {version!r} is not served here; this "
+                f"model {clip(name)!r} version {clip(version)!r} is not served here; this "
                 f"server serves {self._name!r} version {self._version!r}",
             )
 
@@ -139,7 +139,8 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
         if names not in ([INPUT], [PIXELS]):
             raise _Rejected(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"expected one input tensor, {INPUT!r} (BYTES) or {PIXELS!r} (FP32), got {names}",
+                f"expected one input tensor, {INPUT!r} (BYTES) or {PIXELS!r} (FP32), "
+                f"got {clip(str(names))}",
             )
         wanted = _top_k(request)
         top_k, scores = max(wanted.values()) or 1, 0 in wanted.values()
@@ -164,7 +165,7 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
                     grpc.StatusCode.INVALID_ARGUMENT, f"image {i}: {result.error.message}"
                 )
         response = oip.ModelInferResponse(
-            model_name=self._name, model_version=self._version, id=request.id
+            model_name=self._name, model_version=self._version, id=answer.request_id
         )
         n = len(answer.results)
         for name, k in wanted.items():
@@ -200,17 +201,24 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
             except _Rejected as exc:
                 return oip.ModelStreamInferResponse(
                     error_message=f"{exc.code.name}: {exc}",
-                    infer_response=oip.ModelInferResponse(id=request.id),
+                    infer_response=oip.ModelInferResponse(
+                        id=self._classifier.request_id(request.id)
+                    ),
                 )
 
-        async for response in self._classifier.serve_stream(request_iterator, context, answer):
+        async for response in self._classifier.serve_stream(
+            request_iterator, context, answer, size=oip.ModelInferRequest.ByteSize
+        ):
             yield response
 
+    # Probes answer without a token when token auth is on (serve_app/security.py), as the
+    # grpc.health.v1 service does.
     async def ServerLive(self, request, context):
         return oip.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request, context):
-        return oip.ServerReadyResponse(ready=True)
+        """False once the server drains (shutdown): balancers stop sending new work."""
+        return oip.ServerReadyResponse(ready=not self._classifier.draining)
 
     async def ModelReady(self, request, context):
         ready = request.name == self._name and request.version in ("", self._version)

@@ -35,11 +35,17 @@ from serve_app.stages import Preprocessor
 
 class Pipeline(Protocol):
     async def classify(
-        self, images: list[bytes], top_k: int, deadline: float | None = None, scores: bool = False
+        self,
+        images: list[bytes],
+        top_k: int,
+        deadline: float | None = None,
+        scores: bool = False,
+        flow: str = "",
     ) -> Classified:
         """`deadline` (a time.time() value): past it, the request's work is dropped wherever
         it is waiting, before the engine (DeadlineExceeded). `scores`: every image's outcome
-        also carries every class's probability."""
+        also carries every class's probability. `flow`: the stream or connection it came on
+        (flows share the decoders in turn)."""
         ...
 
     async def classify_preprocessed(
@@ -50,6 +56,12 @@ class Pipeline(Protocol):
         ...
 
 
+# A request that waits this long for a call because every call in flight is busy goes in a
+# call of its own (up to as many extra calls as max_calls_in_flight): a call can be stuck for
+# seconds on one client's expensive images, and must not hold every other client's requests.
+SPILL_AFTER_S = 0.02
+
+
 def _micro_batcher(config: AppConfig, call) -> DynamicBatcher:
     """Requests queued while `max_calls_in_flight` calls run go together in the next."""
     return DynamicBatcher(
@@ -58,6 +70,8 @@ def _micro_batcher(config: AppConfig, call) -> DynamicBatcher:
         max_batch_size=config.requests_per_call,
         max_concurrent=config.max_calls_in_flight,
         max_queued=1 << 20,  # bounded upstream: streams stop reading past their limit
+        spill_after_s=SPILL_AFTER_S,
+        max_spill=config.max_calls_in_flight,
     )
 
 
@@ -85,10 +99,10 @@ class ChainedPipeline:
         self._pixels = _micro_batcher(config, self._chain_preprocessed)
 
     async def _chain(
-        self, items: list[tuple[list[bytes], float | None, int, bool]]
+        self, items: list[tuple[list[bytes], float | None, str, int, bool]]
     ) -> list[Classified | Exception]:
-        preprocessed = self._preprocess.many.remote([(images, d) for images, d, _, _ in items])
-        return await self._infer_and_postprocess(preprocessed, [item[2:] for item in items])
+        preprocessed = self._preprocess.many.remote([item[:3] for item in items])
+        return await self._infer_and_postprocess(preprocessed, [item[3:] for item in items])
 
     async def _chain_preprocessed(
         self, items: list[tuple[Preprocessed, int, bool]]
@@ -104,9 +118,15 @@ class ChainedPipeline:
         return await self._postprocess.many.remote(inferred, asks)
 
     async def classify(
-        self, images: list[bytes], top_k: int, deadline: float | None = None, scores: bool = False
+        self,
+        images: list[bytes],
+        top_k: int,
+        deadline: float | None = None,
+        scores: bool = False,
+        flow: str = "",
     ) -> Classified:
-        return await _own_result(self._images, (images, deadline, top_k, scores), deadline)
+        item = (images, deadline, flow, top_k, scores)
+        return await _own_result(self._images, item, deadline)
 
     async def classify_preprocessed(
         self, pre: Preprocessed, top_k: int, scores: bool = False
@@ -120,9 +140,14 @@ class _DecodesHere(abc.ABC):
     _preprocessor: Preprocessor
 
     async def classify(
-        self, images: list[bytes], top_k: int, deadline: float | None = None, scores: bool = False
+        self,
+        images: list[bytes],
+        top_k: int,
+        deadline: float | None = None,
+        scores: bool = False,
+        flow: str = "",
     ) -> Classified:
-        preprocessed = await self._preprocessor.run(images, deadline)
+        preprocessed = await self._preprocessor.run(images, deadline, flow)
         return await self.classify_preprocessed(preprocessed, top_k, scores)
 
     @abc.abstractmethod

@@ -47,9 +47,7 @@ def open_checked(data: bytes, limits: DecodeLimits = DecodeLimits()) -> Image.Im
     try:
         image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
-        raise InvalidImage(
-            f"not a supported image ({len(data)} bytes, no JPEG/PNG/WebP/BMP/GIF/TIFF header found)"
-        ) from None
+        raise InvalidImage(_why_unreadable(data)) from None
     except Image.DecompressionBombError as exc:
         raise InvalidImage(f"image declares too many pixels: {exc}") from None
     except (OSError, SyntaxError, ValueError, EOFError) as exc:  # found by the fuzz test
@@ -68,6 +66,37 @@ def open_checked(data: bytes, limits: DecodeLimits = DecodeLimits()) -> Image.Im
             f"{limits.max_pixels} pixels"
         )
     return image
+
+
+def _why_unreadable(data: bytes) -> str:
+    """Why PIL identified no image in `data`: a known format's header with content its
+    decoder refuses (it says why), or no known header at all."""
+    Image.init()
+    for name in sorted(ALLOWED_FORMATS):
+        factory, accept = Image.OPEN.get(name, (None, None))
+        if factory is None or (accept is not None and not accept(data[:16])):
+            continue
+        try:
+            factory(io.BytesIO(data), None).close()
+        except Exception as exc:  # the plugin's own reason, whatever its type
+            return (
+                f"{name} image that cannot be decoded ({exc or type(exc).__name__}); "
+                f"re-encode it, e.g. as 8-bit RGB JPEG or PNG"
+            )
+    return f"not a supported image ({len(data)} bytes, no JPEG/PNG/WebP/BMP/GIF/TIFF header found)"
+
+
+def decode_cost(data: bytes, spec: PreprocessSpec, limits: DecodeLimits = DecodeLimits()) -> int:
+    """The pixels decoding `data` will produce, from its header: a JPEG's after the DCT
+    scaling `decode` asks for (1/2, 1/4 or 1/8 while the short side stays >= resize_size).
+    Raises InvalidImage as `open_checked` does."""
+    with open_checked(data, limits) as image:
+        width, height = image.size
+        scale = 1
+        if image.format in ("JPEG", "MPO"):
+            while scale < 8 and min(width, height) // (scale * 2) >= spec.resize_size:
+                scale *= 2
+        return -(-width // scale) * -(-height // scale)
 
 
 def gpu_decodable(image: Image.Image, data: bytes) -> bool:

@@ -21,10 +21,17 @@ def server_credentials(security: SecurityConfig) -> grpc.ServerCredentials | Non
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):
-    """Checks `authorization: Bearer <token>` before any handler runs; health checks and
-    reflection stay open so load balancers and tools can probe."""
+    """Checks `authorization: Bearer <token>` before any handler runs. Liveness and readiness
+    probes stay open (grpc.health.v1 and the Open Inference Protocol's ServerLive and
+    ServerReady: they tell nothing but up or down), and so does reflection, so that load
+    balancers, Kubernetes probes and tools work without the token."""
 
-    OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+    OPEN_PREFIXES = (
+        "/grpc.health.v1.Health/",
+        "/grpc.reflection.",
+        "/inference.GRPCInferenceService/ServerLive",
+        "/inference.GRPCInferenceService/ServerReady",
+    )
 
     def __init__(self, token: str) -> None:
         if not token:

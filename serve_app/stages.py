@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Hashable
 
 import numpy as np
 from ray import serve
@@ -19,6 +19,7 @@ from ray import serve
 from engines.repository import ModelRef, resolve
 from serve_app import postprocessing, preprocessing
 from serve_app.config import AppConfig
+from serve_app.decode_pool import DecodePool
 from serve_app.errors import DeadlineExceeded, InvalidImage
 from serve_app.messages import (
     Classified,
@@ -52,7 +53,8 @@ _GPU = object()  # marks an image left encoded for the GPU decoder
 
 
 class Preprocessor:
-    """Decodes a request's images in a thread pool (PIL releases the GIL while decoding).
+    """Decodes a request's images in the fair decode pool (serve_app/decode_pool.py; PIL
+    releases the GIL while decoding).
 
     Hosted by the Preprocess deployment (topology `chained`) or inside the ingress replica
     (topology `fused`). With `decode: gpu` it only checks the headers of the JPEGs that nvJPEG
@@ -62,48 +64,40 @@ class Preprocessor:
         self._spec = load_model(config).spec.preprocess
         self._limits = decode_limits(config)
         self._gpu = config.decode == "gpu"
-        self._threads = config.preprocess_threads
-        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="decode")
+        self._pool = DecodePool(
+            config.preprocess_threads,
+            self._cost,
+            self._decode,
+            config.limits.max_request_pixels,
+        )
 
-    def _decode(self, data: bytes) -> np.ndarray | ImageFailure | object:
-        try:
-            if self._gpu:
-                with preprocessing.open_checked(data, self._limits) as image:
-                    if preprocessing.gpu_decodable(image, data):
-                        return _GPU
-            return preprocessing.decode(data, self._spec, self._limits)
-        except InvalidImage as exc:
-            return ImageFailure(-1, int(exc.code), str(exc))
+    def _cost(self, data: bytes) -> int:
+        return preprocessing.decode_cost(data, self._spec, self._limits)
 
-    def _decode_all(self, images: list[bytes]) -> list[np.ndarray | ImageFailure | object]:
-        return [self._decode(data) for data in images]
+    def _decode(self, data: bytes) -> np.ndarray | object:
+        if self._gpu:
+            with preprocessing.open_checked(data, self._limits) as image:
+                if preprocessing.gpu_decodable(image, data):
+                    return _GPU
+        return preprocessing.decode(data, self._spec, self._limits)
 
-    async def run(self, images: list[bytes], deadline: float | None = None) -> Preprocessed:
+    async def run(
+        self, images: list[bytes], deadline: float | None = None, flow: Hashable = None
+    ) -> Preprocessed:
+        """`flow`: the stream or connection the request came on; flows share the decode
+        threads in turn."""
         check_deadline(deadline, "decoding")
         start = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        # One executor job per thread's share of the request rather than one per image: each
-        # job costs a thread hop and event-loop work, and under load other requests keep the
-        # threads busy anyway.
-        jobs = min(len(images), self._threads)
-        shares = await asyncio.gather(
-            *(
-                loop.run_in_executor(self._pool, self._decode_all, images[i::jobs])
-                for i in range(jobs)
-            )
-        )
-        decoded = [None] * len(images)
-        for i, share in enumerate(shares):
-            decoded[i::jobs] = share
+        decoded = await self._pool.run(images, flow, deadline)
         ok = [i for i, d in enumerate(decoded) if isinstance(d, np.ndarray)]
         size = self._spec.input_size
         pixels = (
             np.stack([decoded[i] for i in ok]) if ok else np.empty((0, size, size, 3), np.uint8)
         )
         failures = tuple(
-            dataclasses.replace(d, index=i)
+            ImageFailure(i, int(d.code), str(d))
             for i, d in enumerate(decoded)
-            if isinstance(d, ImageFailure)
+            if isinstance(d, InvalidImage)
         )
         jpeg_indices = tuple(i for i, d in enumerate(decoded) if d is _GPU)
         return Preprocessed(
@@ -144,12 +138,12 @@ class Preprocess:
         self._preprocessor = Preprocessor(AppConfig.model_validate(config))
 
     async def many(
-        self, requests: list[tuple[list[bytes], float | None]]
+        self, requests: list[tuple[list[bytes], float | None, str]]
     ) -> list[Preprocessed | Exception]:
-        """Topology `chained`: many requests (images, deadline) in one Ray call; each one's
-        failure is its own."""
+        """Topology `chained`: many requests (images, deadline, flow) in one Ray call; each
+        one's failure is its own."""
         return await asyncio.gather(
-            *(self._preprocessor.run(images, deadline) for images, deadline in requests),
+            *(self._preprocessor.run(*request) for request in requests),
             return_exceptions=True,
         )
 

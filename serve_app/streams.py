@@ -1,6 +1,13 @@
 """One stream, whichever protocol (raystream.v1 `Classify`, OIP `ModelStreamInfer`): read with
 backpressure, answer requests concurrently, yield answers in completion order, drain on
-shutdown. No grpc here: the ingress turns a drained stream into its UNAVAILABLE status."""
+shutdown. No grpc here: the ingress turns a drained stream into its UNAVAILABLE status.
+
+Memory per stream is bounded whatever the client does: a request holds its slot (one of
+`max_in_flight`) and its bytes (out of `max_buffered_bytes`) until its answer has been handed
+to gRPC, not merely computed. gRPC's send waits while the client's HTTP/2 window is full, so a
+client that stops reading stops the stream from reading too, and what the server holds for it
+stays under those two numbers (plus the one request read past the byte budget).
+"""
 
 from __future__ import annotations
 
@@ -19,8 +26,9 @@ class _Failed:
 
 
 class StreamRunner:
-    def __init__(self, max_in_flight_per_stream: int) -> None:
-        self._max_in_flight = max_in_flight_per_stream
+    def __init__(self, max_in_flight: int, max_buffered_bytes: int = 1 << 62) -> None:
+        self._max_in_flight = max_in_flight
+        self._max_buffered_bytes = max_buffered_bytes
         self.draining = False
         self._readers: set[asyncio.Task] = set()  # one per open stream
 
@@ -36,69 +44,81 @@ class StreamRunner:
         answer: Callable[[Request], Awaitable[Answer]],
         key: Callable[[Request], str] | None = None,
         duplicate: Callable[[Request], Answer] | None = None,
+        size: Callable[[Request], int] = lambda request: 0,
     ) -> AsyncIterator[Answer]:
-        """At most `max_in_flight_per_stream` requests run at once (past it, the stream is
-        not read: gRPC flow control pushes back). A request whose `key` is already in flight
-        gets `duplicate(request)` instead of running."""
-        answers: asyncio.Queue = asyncio.Queue()
+        """At most `max_in_flight` requests, holding at most `max_buffered_bytes` (by
+        `size`), are read and not yet answered; past either the stream is not read and
+        gRPC flow control pushes back. A request whose `key` is already being computed gets
+        `duplicate(request)` instead of running."""
+        answers: asyncio.Queue = asyncio.Queue()  # (answer, its request's size)
         slots = asyncio.Semaphore(self._max_in_flight)
-        in_flight: set[str] = set()
+        buffered = 0  # bytes of the requests read and not yet answered
+        room = asyncio.Event()  # set while buffered < max_buffered_bytes
+        room.set()
+        computing: set[str] = set()
         tasks: set[asyncio.Task] = set()
         unanswered = 0  # read and not yet yielded: counted here, not by task done-callbacks,
         # which run a loop step after the answer is queued and would leave this loop waiting
 
-        async def run_one(request: Request, request_key: str) -> None:
+        async def run_one(request: Request, request_key: str, request_size: int) -> None:
             try:
                 result = await answer(request)
             except Exception as exc:  # a bug in `answer`: the stream ends with it
                 result = _Failed(exc)
             finally:
-                slots.release()
-                in_flight.discard(request_key)
-            answers.put_nowait(result)
+                computing.discard(request_key)
+            answers.put_nowait((result, request_size))
 
         async def read() -> None:
-            nonlocal unanswered
+            nonlocal unanswered, buffered
             iterator = aiter(requests)
             try:
                 while True:
-                    # A slot before the next read, so a drain that cancels this task never
-                    # drops a request already read.
+                    # A slot and room before the next read, so a drain that cancels this
+                    # task never drops a request already read.
                     await slots.acquire()
+                    await room.wait()
                     try:
                         request = await anext(iterator)
                     except StopAsyncIteration:
                         break
                     unanswered += 1
+                    request_size = size(request)
+                    buffered += request_size
+                    if buffered >= self._max_buffered_bytes:
+                        room.clear()
                     request_key = key(request) if key is not None else ""
-                    if request_key and request_key in in_flight and duplicate is not None:
-                        slots.release()
-                        answers.put_nowait(duplicate(request))
+                    if request_key and request_key in computing and duplicate is not None:
+                        answers.put_nowait((duplicate(request), request_size))
                         continue
                     if request_key:
-                        in_flight.add(request_key)
-                    task = asyncio.create_task(run_one(request, request_key))
+                        computing.add(request_key)
+                    task = asyncio.create_task(run_one(request, request_key, request_size))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
             except asyncio.CancelledError:
                 if not self.draining:
                     raise
             finally:
-                answers.put_nowait(_END)
+                answers.put_nowait((_END, 0))
 
         reader = asyncio.create_task(read())
         self._readers.add(reader)
         try:
             reading = True
             while reading or unanswered:
-                item = await answers.get()
+                item, item_size = await answers.get()
                 if item is _END:
                     reading = False
                     continue
                 unanswered -= 1
                 if isinstance(item, _Failed):
                     raise item.error
-                yield item
+                yield item  # returns once gRPC has taken the answer (the client reads)
+                slots.release()
+                buffered -= item_size
+                if buffered < self._max_buffered_bytes:
+                    room.set()
             reader.result()  # re-raise a transport failure while reading
         finally:
             self._readers.discard(reader)

@@ -221,3 +221,24 @@ async def test_spread_shares_the_queue_over_idle_workers_and_fills_when_busy() -
     # queued while every worker was busy: the first one free takes all of it
     assert engine.batches[4:] == [[8, 8, 8, 8]]
     await batcher.close()
+
+
+async def test_a_request_behind_a_stuck_batch_spills_into_a_batch_of_its_own() -> None:
+    """The pipeline's Ray calls: a call stuck on slow work must not hold the next request."""
+    stuck = asyncio.Event()
+
+    async def run(items):
+        if "slow" in items:
+            await stuck.wait()
+        return items
+
+    batcher = DynamicBatcher(
+        run, lambda item: 1, max_batch_size=8, max_concurrent=1, spill_after_s=0.01, max_spill=1
+    )
+    slow = asyncio.ensure_future(batcher.submit("slow"))
+    await asyncio.sleep(0)
+    result, _ = await asyncio.wait_for(batcher.submit("quick"), 5)
+    assert result == "quick" and not slow.done()
+    stuck.set()
+    assert (await slow)[0] == "slow"
+    await batcher.close()

@@ -148,6 +148,33 @@ async def test_user_config_change_applies_to_the_running_replica(
     assert set(traffic.codes()) == {OK}
 
 
+async def test_a_user_config_the_engine_cannot_take_is_refused_and_the_replica_keeps_serving(
+    port, model_repository, photos
+) -> None:
+    """max_batch_size over the engine's maximum (64): before, the replica's reconfigure
+    raised, Serve replaced it with replicas that all failed, and nothing served."""
+    inference = _inference()
+    replica = await inference.replica_id.remote()
+    before = await inference.batching.remote()
+    traffic = Traffic(f"127.0.0.1:{port}", photos["chelsea"])
+    await traffic.answered(5)
+    await asyncio.to_thread(
+        _deploy, model_repository, port, max_batch_size=1000, log_sample_rate=0.0
+    )
+    for _ in range(100):
+        if (await inference.batching.remote())["refused"]:
+            break
+        await asyncio.sleep(0.1)
+    batching = await inference.batching.remote()
+    assert "max_batch_size must be at most the engine's 64, got 1000" in batching["refused"]
+    assert batching["max_batch_size"] == before["max_batch_size"]
+    assert await inference.replica_id.remote() == replica
+    answered = sum(map(len, traffic.answers.values()))
+    await traffic.answered(answered + 5)
+    await traffic.finish()
+    assert traffic.stream_error is None and set(traffic.codes()) == {OK}
+
+
 async def test_a_restarting_redeploy_drains_old_streams_onto_the_new_replica(
     port, model_repository, photos
 ) -> None:

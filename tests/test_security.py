@@ -135,3 +135,27 @@ async def test_plaintext_and_certificate_less_clients_are_refused(secure_server,
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await no_client_cert.model_info(timeout=5)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_probes_answer_without_a_token_and_nothing_else_does(secure_server, pki) -> None:
+    """One rule for probes: grpc.health.v1 and OIP ServerLive/ServerReady need no token
+    (a Kubernetes probe has none); every other call does."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from raystream.oip import grpc_predict_v2_pb2 as oip
+    from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
+
+    address, _ = secure_server
+    credentials = grpc.ssl_channel_credentials(
+        pki["ca"].read_bytes(), pki["client_key"].read_bytes(), pki["client_cert"].read_bytes()
+    )
+    async with grpc.aio.secure_channel(address, credentials) as channel:
+        inference = oip_grpc.GRPCInferenceServiceStub(channel)
+        assert (await inference.ServerLive(oip.ServerLiveRequest(), timeout=10)).live
+        assert (await inference.ServerReady(oip.ServerReadyRequest(), timeout=10)).ready
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await inference.ServerMetadata(oip.ServerMetadataRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED

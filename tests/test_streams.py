@@ -30,7 +30,7 @@ async def test_answers_run_concurrently_and_come_in_completion_order() -> None:
             b_answered.set()
         return request.upper()
 
-    runner = StreamRunner(max_in_flight_per_stream=4)
+    runner = StreamRunner(max_in_flight=4)
     answers = await asyncio.wait_for(_collect(runner, _requests("a", "b", "c"), answer), 5)
     assert answers.index("B") < answers.index("A") and sorted(answers) == ["A", "B", "C"]
 
@@ -46,7 +46,7 @@ async def test_in_flight_limit_holds_back_reading() -> None:
         running -= 1
         return request
 
-    runner = StreamRunner(max_in_flight_per_stream=2)
+    runner = StreamRunner(max_in_flight=2)
     answers = await _collect(runner, _requests(*range(8)), answer)
     assert sorted(answers) == list(range(8)) and peak == 2
 
@@ -62,7 +62,7 @@ async def test_a_key_already_in_flight_gets_the_duplicate_answer() -> None:
         release.set()
         return f"duplicate {request}"
 
-    runner = StreamRunner(max_in_flight_per_stream=4)
+    runner = StreamRunner(max_in_flight=4)
     answers = await asyncio.wait_for(
         _collect(runner, _requests("x", "x"), answer, key=str, duplicate=duplicate), 5
     )
@@ -75,6 +75,55 @@ async def test_a_failing_answer_ends_the_stream_with_its_error() -> None:
             raise RuntimeError("answer has a bug")
         return request
 
-    runner = StreamRunner(max_in_flight_per_stream=1)
+    runner = StreamRunner(max_in_flight=1)
     with pytest.raises(RuntimeError, match="answer has a bug"):
         await asyncio.wait_for(_collect(runner, _requests("ok", "bug", "never"), answer), 5)
+
+
+async def test_a_request_holds_its_slot_until_its_answer_is_taken() -> None:
+    """A client that stops reading: answers are computed but nobody takes them. Reading must
+    stop at the in-flight limit (before, slots were freed when an answer was computed and the
+    queue of answers grew without bound)."""
+    read = 0
+
+    async def requests():
+        nonlocal read
+        for i in range(1000):
+            read += 1
+            yield i
+
+    async def answer(request: int) -> int:
+        return request
+
+    runner = StreamRunner(max_in_flight=4)
+    stream = runner.run(requests(), answer)
+    # The consumer takes one answer, then stops (gRPC asks for the next answer only once it
+    # has sent this one, which waits while the client's flow-control window is full).
+    first = await anext(stream)
+    for _ in range(50):  # let every task that could run, run
+        await asyncio.sleep(0)
+    assert first == 0 and read == 4
+    await stream.aclose()
+
+
+async def test_the_byte_budget_holds_back_reading() -> None:
+    read = 0
+    release = asyncio.Event()
+
+    async def requests():
+        nonlocal read
+        for _ in range(100):
+            read += 1
+            yield b"x" * 400
+
+    async def answer(request: bytes) -> int:
+        await release.wait()
+        return len(request)
+
+    runner = StreamRunner(max_in_flight=64, max_buffered_bytes=1000)
+    task = asyncio.ensure_future(_collect(runner, requests(), answer, size=len))
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert read == 3  # 1,200 bytes: the third request crossed the budget, reading paused
+    release.set()
+    assert await asyncio.wait_for(task, 5) == [400] * 100

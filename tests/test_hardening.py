@@ -1,0 +1,140 @@
+"""What a hostile or careless client can do to a real server at default settings: stop
+reading its answers, send huge request ids, send images that are expensive to decode,
+send an image whose header is valid but whose content PIL refuses. Real Ray Serve, real gRPC,
+real image bytes; the engine is `echo` (these tests are about decode and transport), in the
+default topology (chained)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from PIL import Image
+
+from raystream.v1 import classifier_pb2 as pb
+from raystream.v1 import classifier_pb2_grpc as pb_grpc
+
+from conftest import encode, start_app
+
+pytestmark = pytest.mark.slow
+INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+
+@pytest.fixture(scope="module")
+def hardened(ray_cluster, model_repository):
+    from ray import serve
+
+    port, handle = start_app("hardening", model_repository, engine={"kind": "echo"})
+    yield f"127.0.0.1:{port}", handle
+    serve.delete("hardening")
+
+
+def _heavy_png() -> bytes:
+    """A 16-bit greyscale PNG of 16 megapixels: 33 KB on the wire, ~0.5 s to decode."""
+    row = np.arange(4000, dtype=np.uint16) * 16
+    buffer = io.BytesIO()
+    Image.fromarray(np.tile(row, (4000, 1))).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+async def test_a_client_that_stops_reading_stops_the_server_reading_its_stream(
+    hardened, photos
+) -> None:
+    """Answers of ~100 KB each (top_k 1000 for four images) to a client that never reads
+    them: the server stops reading the stream at its bound (64 requests in flight) plus what
+    gRPC buffers, instead of reading and answering all 1,000 into memory."""
+    address, handle = hardened
+    tiny = encode(np.full((32, 32, 3), 128, np.uint8))
+    before = await handle.requests_started.remote()
+    sent = 0
+
+    async def requests():
+        nonlocal sent
+        for i in range(1000):
+            sent += 1
+            yield pb.ClassifyRequest(request_id=str(i), images=[tiny] * 4, top_k=1000)
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.ImageClassifierStub(channel).Classify(requests())
+        started, stable = -1, 0
+        while stable < 10:  # the count of requests the server took, still for 2 s
+            await asyncio.sleep(0.2)
+            now = await handle.requests_started.remote() - before
+            stable, started = (stable + 1, now) if now == started else (0, now)
+        assert started < 200, f"the server took {started} of {sent} requests"
+        # Reading again, the client gets every answer, exactly once.
+        answers = [await call.read() for _ in range(1000)]
+        assert sorted(int(a.request_id) for a in answers) == list(range(1000))
+        assert all(a.error.code == 0 for a in answers)
+        call.cancel()
+
+
+async def test_an_over_long_request_id_is_refused_with_a_clipped_echo(hardened, photos) -> None:
+    """A 4 MiB id sent twice: before, the duplicate answer echoed it and the stream died."""
+    address, _ = hardened
+    long_id = "x" * (4 << 20)
+    requests = [
+        pb.ClassifyRequest(request_id=long_id, images=[photos["chelsea"]]),
+        pb.ClassifyRequest(request_id=long_id, images=[photos["chelsea"]]),
+        pb.ClassifyRequest(request_id="fine", images=[photos["chelsea"]]),
+    ]
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.ImageClassifierStub(channel).Classify(iter(requests))
+        answers = [answer async for answer in call]
+    assert len(answers) == 3
+    refused = [a for a in answers if a.request_id != "fine"]
+    assert [a.error.code for a in refused] == [INVALID_ARGUMENT] * 2
+    assert all(a.request_id == "x" * 256 for a in refused)
+    assert "over the limit of 256" in refused[0].error.message
+    assert next(a for a in answers if a.request_id == "fine").error.code == 0
+
+
+async def test_expensive_images_on_one_stream_do_not_hold_another_streams_photo(
+    hardened, photos
+) -> None:
+    """Stream A sends two requests of four 16-megapixel PNGs (seconds of decoding); stream B
+    then sends one photo. B is answered before A's first request: before, B's photo waited
+    in the decode queue behind all of A's images."""
+    address, _ = hardened
+    heavy = _heavy_png()
+    order: list[str] = []
+    async with (
+        grpc.aio.insecure_channel(address) as channel_a,
+        grpc.aio.insecure_channel(address) as channel_b,
+    ):
+        a = pb_grpc.ImageClassifierStub(channel_a).Classify()
+        for name in ("a1", "a2"):
+            await a.write(pb.ClassifyRequest(request_id=name, images=[heavy] * 4))
+        await a.done_writing()
+
+        async def read_a() -> None:
+            async for answer in a:
+                assert answer.error.code == 0 and all(r.labels for r in answer.results)
+                order.append(answer.request_id)
+
+        reader = asyncio.ensure_future(read_a())
+        await asyncio.sleep(0.3)  # A's requests are read and decoding
+        b = pb_grpc.ImageClassifierStub(channel_b).ClassifyOnce
+        answer = await b(pb.ClassifyRequest(request_id="b", images=[photos["chelsea"]]))
+        assert answer.error.code == 0
+        order.append("b")
+        await asyncio.wait_for(reader, 120)
+    assert order[0] == "b", order
+
+
+async def test_an_image_pil_refuses_says_what_is_wrong(hardened) -> None:
+    """skimage's multi-page RGB TIFF (planar layout): before, "no ... TIFF header found"."""
+    import skimage
+
+    tiff = (Path(skimage.data.__file__).parent / "multipage_rgb.tif").read_bytes()
+    async with grpc.aio.insecure_channel(hardened[0]) as channel:
+        answer = await pb_grpc.ImageClassifierStub(channel).ClassifyOnce(
+            pb.ClassifyRequest(images=[tiff])
+        )
+    error = answer.results[0].error
+    assert error.code == INVALID_ARGUMENT
+    assert "TIFF image that cannot be decoded (unknown pixel mode)" in error.message
