@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Superseded by bench/scenarios/cpu.yaml; kept while docs/performance.md runs it.
 # Issue 5's CPU-box targets, one command: for each topology (default: direct fused), start
 # `raystream serve`, then measure in one run
 #   low load   one stream, one image at a time (p50 against the engine's own time);

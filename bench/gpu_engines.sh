@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Kept: GPU tests + engine_bench.py, no server (no scenario can); docs/performance.md runs it.
 # GPU run 1: export the default model with this machine's torch, run the engine tests (GPU
 # parity included), then the engine benchmark. Writes logs and JSON under $OUT.
 source bench/gpu_env.sh

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Superseded by gpu.yaml's open-5k load; kept while docs/performance.md runs it.
 # Latency at half of issue 5's 10,000 img/s against the request size, on the shipped direct
 # GPU config and variants of it, every load spread over a connection to each replica
 # (`raystream bench --spread`, as Client(address, connections=N) sends):
@@ -28,7 +29,7 @@
 # (Ingress.batching's wait_s, which the adaptive mode moves), from 48 handle calls.
 # PROFILE=LABEL (e.g. "8@7622") samples one replica with py-spy (where on PATH: carry .whl
 # with its wheel) during the loads of that label, and takes a `top` of the machine:
-# $LOGS/RUN.pyspy.txt (bench/profile_summary.py) and RUN.top.txt.
+# $LOGS/RUN.pyspy.txt and RUN.top.txt.
 # SATURATE=1 adds, per variant, the saturating closed loop (16 streams x 16 requests of 32 in
 # flight from 8 processes, spread over every replica), twice, the first as warm-up. Logs and
 # bench.json files go to $LOGS (default $OUT/sizes); the table is printed last.

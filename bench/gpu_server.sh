@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Superseded by bench/gpu_run.sh gpu.yaml; kept while docs/performance.md runs it.
 # GPU run 2: the full server (fused topology, torch-CUDA engine) on this machine: classify
 # the test photos through gRPC, then load-generate: saturated, and open-loop at half of it.
 source bench/gpu_env.sh

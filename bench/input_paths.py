@@ -1,3 +1,4 @@
+# Kept: a correctness check of every input path, not a load; tests/test_server.py imports it.
 """Every input path of a running server against its own answer for encoded photos, whatever
 engine it runs (written to run the GPU engines' client-preprocessed paths on a GPU):
 

@@ -1,3 +1,4 @@
+# Kept: in-process OIP output cost (no scenario can); docs/protocol.md and serve_app cite it.
 """What each Open Inference Protocol output costs the server, in one run: requests of 8
 client-preprocessed images (`pixels`) through the direct topology's services in this process
 (no gRPC, no Ray) with the `echo` engine, so only the serving code is timed. Prints ms per

@@ -1,3 +1,4 @@
+# Superseded by scenarios/overhead.yaml; kept: docs/performance.md runs it, oip_outputs imports it
 """Pure serving overhead, in one run: the same bidi load against (1) a plain grpc.aio server
 implementing raystream.v1.ImageClassifier with no work at all, (2) the same plain server
 decoding and cropping each image as raystream does, and (3) raystream on Ray Serve with the
