@@ -1,27 +1,60 @@
-"""The application builder: `serve run serve_app.app:build_app` or a Serve config file."""
+"""The application builder: `serve run serve_app.app:build_app` or a Serve config file.
+
+The topology (serve_app/topology.py) says which deployments run the stages; each group is one
+`Stages` deployment named for its main stage, and the Ingress gets their handles in order.
+"""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
+from ray import serve
 from ray.serve import Application
 
 from engines.repository import resolve
-from serve_app.config import AppConfig
-from serve_app.inference import Inference
+from serve_app.config import AppConfig, BatchingConfig
 from serve_app.ingress import Ingress
-from serve_app.stages import Postprocess, Preprocess
+from serve_app.topology import Group, StageGroup, deployment_name, groups
 
 # Topology direct: the replica runs raystream on Serve's own event loop, not on a second
-# loop in a second thread (Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED does the same). The
+# loop in a second thread (Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED does the same): the
 # gRPC server and Serve's replica machinery then stop contending for the GIL from two
-# threads: +19-28% requests/s on the CPU box (docs/benchmarks.md section 3). Safe here because
-# nothing in the direct replica blocks its loop (decode and engine run in executors). A value
-# already in the environment (a config's runtime_env, which the builder runs in) wins:
-# deploy/serve_config.gpu-direct.yaml keeps Serve's default, which had the shorter tail on
-# the H200 (docs/benchmarks.md section 2g).
+# threads. Safe because nothing in the replica blocks its loop (decode and engine run in
+# threads). A value already in the environment (a config's runtime_env) wins.
 DIRECT_REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+
+# Each group deployment's defaults, by name; a Serve config's `deployments:` entry of the
+# same name overrides them.
+DEFAULTS = {
+    "Preprocess": {"ray_actor_options": {"num_cpus": 0.5}, "max_ongoing_requests": 32},
+    "Inference": {
+        "ray_actor_options": {"num_cpus": 0.5},
+        "max_ongoing_requests": 64,
+        "user_config": BatchingConfig().model_dump(),
+    },
+    "Postprocess": {"ray_actor_options": {"num_cpus": 0.25}, "max_ongoing_requests": 64},
+}
+
+
+@serve.deployment
+class Stages:
+    """A group of stages as a Serve deployment: a thin shell over StageGroup."""
+
+    async def __init__(self, config: dict, stages: Group) -> None:
+        self._group = await StageGroup.create(AppConfig.model_validate(config), stages)
+        self.run = self._group.run
+        self.info = self._group.info
+        self.batching = self._group.batching
+        self.images_inferred = self._group.images_inferred
+        self.memory_bytes = self._group.memory_bytes
+
+    def reconfigure(self, user_config: dict) -> None:
+        self._group.reconfigure(user_config)
+
+    def replica_id(self) -> str:
+        """This replica's Serve id (operators and tests: which replica answered)."""
+        return serve.get_replica_context().replica_id.unique_id
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -29,14 +62,17 @@ def build_app(args: dict[str, Any]) -> Application:
     config = AppConfig.model_validate(args)
     resolve(config.model_repository, config.model, config.model_version)
     shared = config.model_dump(mode="json")
-    if config.topology == "direct":
+    stage_groups = groups(config)
+    if not stage_groups:
         # A config file's ray_actor_options replace these, and with them this runtime_env:
         # `raystream serve` and the direct configs in deploy/ set the variable themselves.
         env_vars = {name: os.environ.get(name, value) for name, value in DIRECT_REPLICA_ENV.items()}
         options = {**Ingress.ray_actor_options, "runtime_env": {"env_vars": env_vars}}
         return Ingress.options(ray_actor_options=options).bind(shared)
-    if config.topology == "fused":
-        return Ingress.bind(shared, Inference.bind(shared))
-    return Ingress.bind(
-        shared, Inference.bind(shared), Preprocess.bind(shared), Postprocess.bind(shared)
-    )
+    handles = [
+        Stages.options(name=deployment_name(group), **DEFAULTS[deployment_name(group)]).bind(
+            shared, group
+        )
+        for group in stage_groups
+    ]
+    return Ingress.bind(shared, *handles)

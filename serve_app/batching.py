@@ -8,12 +8,7 @@ from the queue only when it is free: under load a batch holds everything that ar
 the engine was busy (up to `max_batch_size` images), at low load a lone request runs at once,
 and `max_delay_s` optionally waits for company. Cancelled requests, and requests whose
 deadline passed while queued (`DeadlineExceeded`), are dropped before they reach the engine;
-a full queue rejects at once (`Overloaded`). With `spread`, a worker that finds others idle
-takes only its share of the queue, so work split into pieces runs on every idle worker at
-once (the GPU decoder: part of nvJPEG's work runs on the calling thread). With
-`spill_after_s`, a request that waited that long while every worker was busy goes in an extra
-batch of its own (up to `max_spill` of them at once): the pipeline's Ray calls use it so that
-calls stuck on slow work (a client's expensive images) do not hold everyone else's requests.
+a full queue rejects at once (`Overloaded`).
 
 `AdaptiveWait` picks `max_delay_s` at run time: the longest wait (so the largest batches)
 that keeps the measured p99 of queue + engine time under a target.
@@ -43,6 +38,7 @@ class _Pending(Generic[T, R]):
     future: asyncio.Future[R]
     deadline: float | None = None  # time.time() past which nobody waits for the result
     enqueued: float = field(default_factory=time.perf_counter)
+    taken: bool = False  # out of the queue (into a batch, or dropped)
 
 
 class AdaptiveWait:
@@ -107,18 +103,11 @@ class DynamicBatcher(Generic[T, R]):
         max_delay_s: float = 0.0,
         max_concurrent: int = 1,
         max_queued: int = 4096,
-        spread: bool = False,
-        spill_after_s: float | None = None,
-        max_spill: int = 0,
     ) -> None:
         self._run, self._size_of = run, size_of
         self.max_batch_size, self.max_delay_s = max_batch_size, max_delay_s
         self.max_queued = max_queued  # images waiting; past this, submit() raises Overloaded
         self.adaptive: AdaptiveWait | None = None  # set: it chooses max_delay_s
-        self.spread = spread
-        self._spill_after_s, self._max_spill = spill_after_s, max_spill
-        self._spilled = 0  # extra batches running
-        self._spill_timer: asyncio.TimerHandle | None = None
         self._running = 0  # workers running a batch
         self._queue: collections.deque[_Pending[T, R]] = collections.deque()
         self._queued_images = 0
@@ -131,6 +120,10 @@ class DynamicBatcher(Generic[T, R]):
     @property
     def queued_images(self) -> int:
         return self._queued_images
+
+    def room(self) -> int:
+        """Images the queue takes before submit() refuses."""
+        return self.max_queued - self._queued_images
 
     async def submit(self, item: T, deadline: float | None = None) -> tuple[R, float]:
         """Run `item` in some batch; returns its result and the ms it waited in the queue.
@@ -145,70 +138,40 @@ class DynamicBatcher(Generic[T, R]):
         self._queue.append(pending)
         self._queued_images += size
         self._arrived.set()
-        if (
-            self._spill_after_s is not None
-            and self._spill_timer is None
-            and self._running >= self.concurrency
-        ):
-            self._spill_timer = asyncio.get_running_loop().call_later(
-                self._spill_after_s, self._spill
-            )
-        result = await pending.future
+        try:
+            result = await pending.future
+        except asyncio.CancelledError:
+            if not pending.taken:  # still queued: its images no longer count as waiting
+                self._queued_images -= pending.size
+                pending.size = 0
+            raise
         waited_ms = (time.perf_counter() - pending.enqueued) * 1000.0
         if self.adaptive is not None:
             self.adaptive.observe(waited_ms)
             self.max_delay_s = self.adaptive.wait_s
         return result, waited_ms
 
-    def _limit(self) -> int:
-        """Images the next batch may hold: with `spread`, the queue's share of each idle
-        worker (this one included); a busy replica still forms full batches."""
-        if not self.spread:
-            return self.max_batch_size
-        idle = max(self.concurrency - self._running, 1)
-        return min(self.max_batch_size, -(-self._queued_images // idle))
-
     def _take(self) -> list[_Pending[T, R]]:
-        batch, images, now, limit = [], 0, time.time(), self._limit()
+        batch, images, now = [], 0, time.time()
         while self._queue:
             head = self._queue[0]
             expired = head.deadline is not None and head.deadline <= now
             if head.future.done() or expired:  # cancelled or expired: never reaches the engine
                 self._queue.popleft()
+                head.taken = True
                 self._queued_images -= head.size
                 if not head.future.done():
                     waited = (time.perf_counter() - head.enqueued) * 1000.0
                     message = f"deadline passed after {waited:.0f} ms in the batch queue"
                     head.future.set_exception(DeadlineExceeded(message))
                 continue
-            if batch and images + head.size > limit:
+            if batch and images + head.size > self.max_batch_size:
                 break
             batch.append(self._queue.popleft())
+            head.taken = True
             self._queued_images -= head.size
             images += head.size
         return batch
-
-    def _spill(self) -> None:
-        """Every worker stayed busy while the queue's head waited `spill_after_s`: run what
-        is queued as an extra batch, and check again later while that lasts."""
-        self._spill_timer = None
-        if not self._queue or self._running < self.concurrency:
-            return
-        waited = time.perf_counter() - self._queue[0].enqueued
-        if waited >= self._spill_after_s and self._spilled < self._max_spill:
-            batch = self._take()
-            if batch:
-                self._spilled += 1
-                task = asyncio.ensure_future(self._run_batch(batch))
-                task.add_done_callback(self._spill_done)
-            waited = 0.0
-        if self._queue:
-            self._spill_timer = asyncio.get_running_loop().call_later(
-                max(self._spill_after_s - waited, 0.001), self._spill
-            )
-
-    def _spill_done(self, _task: asyncio.Task) -> None:
-        self._spilled -= 1
 
     def set_concurrency(self, batches: int) -> None:
         if not 1 <= batches <= len(self._workers):

@@ -11,6 +11,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+STAGES = ("preprocess", "inference", "postprocess")
+Stage = Literal["preprocess", "inference", "postprocess"]
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -72,20 +75,33 @@ class AppConfig(_Strict):
     limits: LimitsConfig = LimitsConfig()
     security: SecurityConfig = SecurityConfig()
     preprocess_threads: int = Field(2, ge=1, le=64)  # PIL releases the GIL while decoding
-    # chained: Ingress -> Preprocess -> Inference -> Postprocess deployments (3 Ray calls per
-    # request); fused: decode in the ingress, postprocess in Inference (1 call); direct: all
-    # of it in the ingress replica (no call). pipeline.py.
-    topology: Literal["chained", "fused", "direct"] = "chained"
+    # Which deployments run the stages (serve_app/topology.py): chained (Preprocess,
+    # Inference, Postprocess: three deployments), fused (one deployment runs all three),
+    # direct (the ingress replica runs all three), or groups written out, such as
+    # [[preprocess, inference], [postprocess]].
+    topology: Literal["chained", "fused", "direct"] | tuple[tuple[Stage, ...], ...] = "chained"
     # cpu: PIL decodes every image. gpu: JPEGs are decoded by nvJPEG in the inference replica
     # (needs torchvision and a GPU there); the CPU stage only checks headers.
     decode: Literal["cpu", "gpu"] = "cpu"
     # Structured request logs (JSON lines in the ingress replica's Serve log): every failed
     # request or image, and this fraction of the successful ones.
     log_sample_rate: float = Field(0.01, ge=0.0, le=1.0)
-    # fused and chained: requests per Ray call (a chain of calls in chained), and calls in
-    # flight (micro-batching, serve_app/pipeline.py).
+    # Requests per call through the stage deployments, and calls in flight from each
+    # ingress replica: requests that arrive while max_calls_in_flight calls run go together
+    # in the next call (micro-batching, serve_app/dispatch.py).
     requests_per_call: int = Field(64, ge=1)
     max_calls_in_flight: int = Field(4, ge=1)
+
+    @model_validator(mode="after")
+    def _stages_in_order(self) -> AppConfig:
+        if not isinstance(self.topology, str):
+            flat = [stage for group in self.topology for stage in group]
+            if flat != list(STAGES) or not all(self.topology):
+                raise ValueError(
+                    f"topology groups must hold {', '.join(STAGES)} once each, in that "
+                    f"order, in non-empty groups; got {[list(g) for g in self.topology]}"
+                )
+        return self
 
     @model_validator(mode="after")
     def _absolute_repository(self) -> AppConfig:

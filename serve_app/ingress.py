@@ -1,15 +1,12 @@
-"""The gRPC ingress: a grpc.aio server inside a Serve replica, terminating client streams.
+"""The Ingress deployment: a grpc.aio server inside a Serve replica, terminating client
+streams for raystream.v1 (serve_app/v1.py) and the Open Inference Protocol (serve_app/oip.py),
+with health and reflection, on the serving core (serve_app/core.py).
 
-Ray Serve's own gRPC proxy costs about 18x a plain grpc.aio server per bidi message
-(../shared/FINDINGS.md), so the ingress deployment runs its own grpc.aio server on the
-replica's event loop, serving raystream.v1 (serve_app/classifier.py), the Open Inference
-Protocol (serve_app/oip.py), health and reflection. It reaches the pipeline through
-DeploymentHandles; one request (all of its images) costs one Ray call (topology `fused`),
-three (`chained`) or none (`direct`, the model in this replica): serve_app/pipeline.py.
-
-The ingress layer (this module, classifier.py, oip.py for the Open Inference Protocol,
-security.py for TLS and tokens) is the only place that imports grpc and turns errors into
-status codes.
+Ray Serve's own gRPC proxy costs about 18x a plain grpc.aio server per bidi message, so the
+ingress runs its own server on the replica's event loop. It sends micro-batches of requests
+through the stage deployments as one chain of handle calls (topology.py decides the chain);
+in topology `direct` it runs the stages itself. This layer (with v1.py, oip.py and
+security.py) is the only one that imports grpc and turns errors into status codes.
 """
 
 from __future__ import annotations
@@ -24,20 +21,20 @@ from ray.serve.handle import DeploymentHandle
 
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
-from raystream.v1 import classifier_pb2 as pb
-from raystream.v1 import classifier_pb2_grpc as pb_grpc
-from serve_app.classifier import ClassifierService
+from serve_app import v1
 from serve_app.config import AppConfig
-from serve_app.inference import Inference
+from serve_app.core import ServingCore
+from serve_app.messages import Answer, Batch
 from serve_app.metrics import resident_memory_bytes
 from serve_app.oip import OpenInferenceService
-from serve_app.pipeline import ChainedPipeline, FusedPipeline, LocalPipeline, Pipeline
 from serve_app.security import TokenAuth, server_credentials
+from serve_app.streams import StreamRunner
+from serve_app.topology import STAGES, StageGroup
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAMES = (
-    pb.DESCRIPTOR.services_by_name["ImageClassifier"].full_name,
+    v1.SERVICE,
     oip.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
     health.SERVICE_NAME,
 )
@@ -47,30 +44,28 @@ SERVICE_NAMES = (
 class Ingress:
     """Starts the gRPC server in this replica; it serves until the replica stops.
 
-    Without an `inference` handle (topology `direct`) the replica hosts the model itself and
-    takes the batching `user_config` that the Inference deployment takes otherwise."""
+    `stages`: handles to the stage deployments, in order (the topology's groups); none in
+    topology `direct`, where this replica runs the stages and takes the batching
+    `user_config` that the Inference deployment takes otherwise."""
 
-    async def __init__(
-        self,
-        config: dict,
-        inference: DeploymentHandle | None = None,
-        preprocess: DeploymentHandle | None = None,
-        postprocess: DeploymentHandle | None = None,
-    ) -> None:
+    async def __init__(self, config: dict, *stages: DeploymentHandle) -> None:
         self._server: grpc.aio.Server | None = None
         self._config = AppConfig.model_validate(config)
-        self._local: Inference | None = None
-        if inference is None:
-            self._local = await Inference.func_or_class.in_process(config)
-            model = self._local.info()
-            pipeline: Pipeline = LocalPipeline(self._config, self._local)
+        self._stages = stages
+        self._local: StageGroup | None = None
+        if stages:
+            group = next(h for h in stages if h.deployment_name == "Inference")
+            model = await group.info.remote()
+            run = self._chain
         else:
-            model = await inference.info.remote()
-            if preprocess is not None and postprocess is not None:
-                pipeline = ChainedPipeline(self._config, preprocess, inference, postprocess)
-            else:
-                pipeline = FusedPipeline(self._config, inference)
+            self._local = await StageGroup.create(self._config, STAGES)
+            model = self._local.info()
+            run = self._local.run
         limits = self._config.limits
+        self._streams = StreamRunner(
+            limits.max_in_flight_per_stream, limits.max_stream_buffer_bytes
+        )
+        self._core = ServingCore(self._config, model, run)
         security = self._config.security
         interceptors = []
         if security.auth_token_file is not None:
@@ -85,18 +80,19 @@ class Ingress:
                 ("grpc.so_reuseport", 1),
             ],
         )
-        self._service = ClassifierService(self._config, model, pipeline)
-        pb_grpc.add_ImageClassifierServicer_to_server(self._service, self._server)
-        oip_grpc.add_GRPCInferenceServiceServicer_to_server(
-            OpenInferenceService(self._service), self._server
+        self._server.add_generic_rpc_handlers(
+            (v1.ClassifierService(self._core, self._streams).handler(),)
         )
-        # grpc.health.v1 (SERVING: the engine was warmed before Inference reported ready)
-        # and server reflection, so grpcurl-style tools list and call the services.
+        oip_grpc.add_GRPCInferenceServiceServicer_to_server(
+            OpenInferenceService(self._core, self._streams), self._server
+        )
+        # grpc.health.v1 (SERVING once the engine is warm) and server reflection, so
+        # grpcurl-style tools list and call the services.
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection((*SERVICE_NAMES, reflection.SERVICE_NAME), self._server)
         address = f"{self._config.host}:{self._config.port}"
-        credentials = server_credentials(self._config.security)
+        credentials = server_credentials(security)
         if credentials is None:
             self._port = self._server.add_insecure_port(address)
         else:
@@ -117,6 +113,14 @@ class Ingress:
             engine.device,
         )
 
+    async def _chain(self, batch: Batch) -> list[Answer]:
+        """One call through the stage deployments: each takes the previous one's result
+        (Serve passes it between the replicas without this one waiting for it)."""
+        response = self._stages[0].run.remote(batch)
+        for stage in self._stages[1:]:
+            response = stage.run.remote(response)
+        return await response
+
     def reconfigure(self, user_config: dict) -> None:
         if self._local is None:
             raise ValueError(
@@ -136,7 +140,7 @@ class Ingress:
 
     def requests_started(self) -> int:
         """Requests that reached the pipeline (tests: rejected calls must not count)."""
-        return self._service.requests_started
+        return self._core.requests_started
 
     def memory_bytes(self) -> int:
         """Resident memory of this replica's process (soak test)."""
@@ -144,7 +148,7 @@ class Ingress:
 
     def requests_in_flight(self) -> int:
         """Requests being answered now (tests: disconnects must leave none)."""
-        return self._service.requests_in_flight
+        return self._core.requests_in_flight
 
     async def __del__(self) -> None:
         # Ray Serve calls __del__ when it stops a replica (delete, redeploy, scale-down):
@@ -152,6 +156,6 @@ class Ingress:
         # and give what was read `drain_timeout_s` to be answered.
         if self._server is not None:
             await self._health.enter_graceful_shutdown()
-            self._service.drain()
+            self._streams.drain()
             await self._server.stop(grace=self._config.limits.drain_timeout_s)
-            self._service.flush_metrics()  # the last second's counts
+            self._core.flush_metrics()  # the last second's counts

@@ -1,79 +1,100 @@
-"""Messages between the pipeline's stages: small frozen dataclasses, never bare tuples. The
-two made per image and label (ImageOutcome, Label: 8 to 48 of them for a request of 8) are
-NamedTuples, which cost half as much to make (0.45 us against 0.85-1.3 us) and read the same.
+"""What travels between the ingress and the stages: whole batches of requests, never one
+request or one image per message. Frozen dataclasses of tuples and arrays (cheap to pickle
+through Ray). No protocol here: the gRPC adapters turn requests into Jobs, and the answer
+formats (serve_app/answers.py) turn outcomes into each protocol's response bytes.
 
-Ingress --images--> Preprocess --Preprocessed--> Inference --Inferred--> Postprocess
-        <-------------------------------- Classified --------------------------------
+    ingress --Batch(jobs)--> Preprocess --Batch(+crops)--> Inference --Batch(+scores)-->
+            Postprocess --list[Answer]--> ingress
+
+A row of `crops` (or of `tensors`) is one image; `owners[r] = (job, image)` says whose.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any
 
 import numpy as np
 
+NO_OWNERS = np.empty((0, 2), np.int32)
+
 
 @dataclass(frozen=True)
-class ImageFailure:
-    index: int  # position of the image in its request
-    code: int  # google.rpc.Code
-    message: str
+class OipOutput:
+    """An Open Inference Protocol output a request asked for: `k` labels, or 0 for every
+    class's probability."""
+
+    name: str
+    k: int
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request, whichever protocol it came in."""
+
+    id: str  # request_id / OIP id, already bounded by the ingress
+    images: tuple[bytes, ...] = ()  # encoded images, or
+    pixels: np.ndarray | None = None  # float32 (N, C, H, W) preprocessed by the client
+    top_k: int = 5
+    scores: bool = False  # also every class's probability per image
+    deadline: float | None = None  # time.time() past which nobody waits for the answer
+    flow: str = ""  # the stream or connection it came on: flows share the decoders in turn
+    protocol: str = "v1"  # "v1" or "oip": the answer's format (serve_app/answers.py)
+    oip_outputs: tuple[OipOutput, ...] = ()
+
+    @property
+    def count(self) -> int:
+        return len(self.images) if self.pixels is None else len(self.pixels)
 
 
 @dataclass(frozen=True)
 class StageTiming:
     preprocess_ms: float = 0.0
-    queue_ms: float = 0.0  # waiting in the inference deployment's batch queue
+    queue_ms: float = 0.0  # waiting for an engine batch
     inference_ms: float = 0.0
     postprocess_ms: float = 0.0
-    batch_size: int = 0  # images in the engine batch this request ran in
+    batch_size: int = 0  # images in the (largest) engine batch this batch's images ran in
 
 
 @dataclass(frozen=True)
-class Preprocessed:
-    """One request's images, decoded: the good ones as pixels, the bad ones as failures."""
+class Failure:
+    code: int  # google.rpc.Code
+    message: str
 
-    count: int  # images in the request
-    # uint8 (len(indices), H, W, 3) crops; or, from a client that preprocessed them itself
-    # (Open Inference Protocol), float32 (len(indices), 3, H, W) as the model takes them.
-    # In a GPU inference replica after decode: gpu, the crops are a torch tensor on the GPU
-    # (never sent over Ray).
-    pixels: np.ndarray
-    indices: tuple[int, ...]  # request position of each row of `pixels`
-    failures: tuple[ImageFailure, ...]
-    timing: StageTiming = field(default_factory=StageTiming)
-    # decode: gpu: JPEGs whose headers passed the checks, still encoded, and their positions
+
+@dataclass(frozen=True)
+class Batch:
+    jobs: tuple[Job, ...]
+    # Decoded crops: uint8 (R, H, W, 3), a host array or (decode: gpu) a tensor on the GPU.
+    crops: Any = None
+    crop_owners: np.ndarray = field(default_factory=lambda: NO_OWNERS)
+    # JPEGs left encoded for the GPU decoder of the inference stage (decode: gpu).
     jpegs: tuple[bytes, ...] = ()
-    jpeg_indices: tuple[int, ...] = ()
-    # time.time() after which nobody waits for the answer: the engine skips the request
-    deadline: float | None = None
+    jpeg_owners: np.ndarray = field(default_factory=lambda: NO_OWNERS)
+    # Images that failed, by (job, image); jobs that failed as a whole, by job.
+    image_failures: dict[tuple[int, int], Failure] = field(default_factory=dict)
+    job_failures: dict[int, Failure] = field(default_factory=dict)
+    # Set by the inference stage, one row per image that ran (crops, then client tensors):
+    owners: np.ndarray = field(default_factory=lambda: NO_OWNERS)
+    top_ids: np.ndarray | None = None  # int (rows, k), best first
+    top_scores: np.ndarray | None = None  # float32 (rows, k): softmax probabilities
+    probabilities: np.ndarray | None = None  # float32 (rows, classes) where a job asked
+    timing: StageTiming = field(default_factory=StageTiming)
+
+    def replace(self, **changes: Any) -> Batch:
+        return dataclasses.replace(self, **changes)
+
+    def live_jobs(self) -> list[int]:
+        return [i for i in range(len(self.jobs)) if i not in self.job_failures]
 
 
 @dataclass(frozen=True)
-class Inferred:
-    count: int
-    logits: np.ndarray  # float32 (len(indices), num_classes)
-    indices: tuple[int, ...]
-    failures: tuple[ImageFailure, ...]
-    timing: StageTiming
+class Answer:
+    """One job's answer: its response bytes in its protocol, and what the ingress counts."""
 
-
-class Label(NamedTuple):
-    class_id: int
-    name: str
-    score: float  # softmax probability
-
-
-class ImageOutcome(NamedTuple):
-    labels: tuple[Label, ...] = ()
-    failure: ImageFailure | None = None
-    # float32 (num_classes,): every class's probability, when the request asked for them
-    # (the Open Inference Protocol's default output); a row, not num_classes Labels
-    scores: np.ndarray | None = None
-
-
-@dataclass(frozen=True)
-class Classified:
-    outcomes: tuple[ImageOutcome, ...]  # outcomes[i] answers images[i]
-    timing: StageTiming
+    payload: bytes  # empty for an OIP request that failed: its adapter reports code, message
+    code: int  # the request's status code (0 OK)
+    message: str = ""  # why it failed
+    image_codes: tuple[tuple[int, int], ...] = ()  # (code, images) of its images
+    timing: StageTiming = field(default_factory=StageTiming)

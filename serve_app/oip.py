@@ -18,6 +18,7 @@ each in its own ModelStreamInferResponse (completion order, with its `id`), with
 
 from __future__ import annotations
 
+import asyncio
 import struct
 
 import grpc
@@ -25,18 +26,16 @@ import numpy as np
 
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
-from raystream.v1 import classifier_pb2 as pb
-from serve_app.errors import InvalidArgument, clip
+from serve_app.answers import OIP_IMAGES as INPUT
+from serve_app.answers import OIP_LABELS as LABELS
+from serve_app.answers import OIP_PIXELS as PIXELS
+from serve_app.answers import OIP_SCORES as SCORES
+from serve_app.core import ServingCore
+from serve_app.errors import InvalidArgument, RaystreamError, clip, code_for, message_for
+from serve_app.messages import Answer, Job, OipOutput
 from serve_app.preprocessing import client_pixels
-
-INPUT, SCORES, LABELS = "images", "probabilities", "labels"
-PIXELS = "pixels"  # FP32 (N, C, H, W), preprocessed by the client as the model expects
-
-
-class _Rejected(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+from serve_app.streams import StreamRunner, start_task
+from serve_app.v1 import budget_s
 
 
 def _bytes_elements(raw: bytes) -> list[bytes]:
@@ -44,45 +43,34 @@ def _bytes_elements(raw: bytes) -> list[bytes]:
     out, offset = [], 0
     while offset < len(raw):
         if offset + 4 > len(raw):
-            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "truncated BYTES tensor")
+            raise InvalidArgument("truncated BYTES tensor")
         (size,) = struct.unpack_from("<I", raw, offset)
         offset += 4
         if offset + size > len(raw):
-            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "truncated BYTES tensor")
+            raise InvalidArgument("truncated BYTES tensor")
         out.append(raw[offset : offset + size])
         offset += size
     return out
-
-
-def _encode_bytes(elements: list[bytes]) -> bytes:
-    return b"".join(struct.pack("<I", len(e)) + e for e in elements)
 
 
 def _pixels(request: oip.ModelInferRequest, input_shape: tuple[int, ...]) -> np.ndarray:
     """The FP32 input: (N, C, H, W) with (C, H, W) the model's, from raw or typed contents."""
     tensor = request.inputs[0]
     if tensor.datatype != "FP32":
-        raise _Rejected(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"input {PIXELS!r} must be FP32, got {tensor.datatype}",
-        )
+        raise InvalidArgument(f"input {PIXELS!r} must be FP32, got {clip(tensor.datatype)}")
     if request.raw_input_contents:
         values = request.raw_input_contents[0]
     else:
         values = np.asarray(tensor.contents.fp32_contents, dtype=np.float32)
-    try:
-        return client_pixels(tuple(tensor.shape), values, input_shape, PIXELS)
-    except InvalidArgument as exc:
-        raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+    return client_pixels(tuple(tensor.shape), values, input_shape, PIXELS)
 
 
-def _images(request: oip.ModelInferRequest) -> list[bytes]:
+def _images(request: oip.ModelInferRequest) -> tuple[bytes, ...]:
     tensor = request.inputs[0]
     if tensor.datatype != "BYTES":
-        raise _Rejected(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"input {INPUT!r} must be BYTES (encoded images), got {tensor.datatype}; send "
-            f"preprocessed FP32 tensors as input {PIXELS!r}",
+        raise InvalidArgument(
+            f"input {INPUT!r} must be BYTES (encoded images), got {clip(tensor.datatype)}; "
+            f"send preprocessed FP32 tensors as input {PIXELS!r}"
         )
     if request.raw_input_contents:
         images = _bytes_elements(request.raw_input_contents[0])
@@ -90,16 +78,15 @@ def _images(request: oip.ModelInferRequest) -> list[bytes]:
         images = list(tensor.contents.bytes_contents)
     expected = int(np.prod(tensor.shape)) if tensor.shape else len(images)
     if len(images) != expected:
-        raise _Rejected(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"input shape {list(tensor.shape)} holds {expected} elements, got {len(images)}",
+        raise InvalidArgument(
+            f"input shape {list(tensor.shape)} holds {expected} elements, got {len(images)}"
         )
-    return images
+    return tuple(images)
 
 
-def _top_k(request: oip.ModelInferRequest) -> dict[str, int]:
-    """Requested outputs -> how many labels each needs (0: the probabilities of all classes)."""
-    wanted = {}
+def _outputs(request: oip.ModelInferRequest) -> tuple[OipOutput, ...]:
+    """Requested outputs, each with how many labels it needs (0: every class's probability)."""
+    outputs = []
     for output in request.outputs or [
         oip.ModelInferRequest.InferRequestedOutputTensor(name=SCORES)
     ]:
@@ -109,86 +96,72 @@ def _top_k(request: oip.ModelInferRequest) -> dict[str, int]:
             else 0
         )
         if output.name == SCORES and not k:
-            wanted[SCORES] = 0
+            outputs.append(OipOutput(SCORES, 0))
         elif output.name == LABELS or k:
-            wanted[output.name] = k or 5
+            outputs.append(OipOutput(output.name, k or 5))
         else:
-            raise _Rejected(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"unknown output {clip(output.name)!r}; outputs: {SCORES}, {LABELS}",
+            raise InvalidArgument(
+                f"unknown output {clip(output.name)!r}; outputs: {SCORES}, {LABELS}"
             )
-    return wanted
+    return tuple(outputs)
+
+
+def _status(code: int) -> grpc.StatusCode:
+    return next(s for s in grpc.StatusCode if s.value[0] == code)
 
 
 class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, classifier) -> None:
-        self._classifier = classifier  # serve_app.classifier.ClassifierService
-        self._name, self._version, self._engine = classifier.model
+    def __init__(self, core: ServingCore, streams: StreamRunner) -> None:
+        self._core = core
+        self._streams = streams
 
-    def _check_model(self, name: str, version: str = "") -> None:
-        if name != self._name or version not in ("", self._version):
-            raise _Rejected(
-                grpc.StatusCode.NOT_FOUND,
-                f"model {clip(name)!r} version {clip(version)!r} is not served here; this "
-                f"server serves {self._name!r} version {self._version!r}",
-            )
-
-    async def _infer(self, request: oip.ModelInferRequest, context) -> oip.ModelInferResponse:
-        self._check_model(request.model_name, request.model_version)
+    def _job(self, request: oip.ModelInferRequest, context, flow: str) -> tuple[Job, float | None]:
+        core = self._core
+        core.check_id(request.id)
+        core.check_model(request.model_name, request.model_version)
         names = [i.name for i in request.inputs]
         if names not in ([INPUT], [PIXELS]):
-            raise _Rejected(
-                grpc.StatusCode.INVALID_ARGUMENT,
+            raise InvalidArgument(
                 f"expected one input tensor, {INPUT!r} (BYTES) or {PIXELS!r} (FP32), "
-                f"got {clip(str(names))}",
+                f"got {clip(str(names))}"
             )
-        wanted = _top_k(request)
-        top_k, scores = max(wanted.values()) or 1, 0 in wanted.values()
+        outputs = _outputs(request)
+        top_k = core.top_k(max(output.k for output in outputs) or 1)
         if names == [PIXELS]:
-            answer, probabilities = await self._classifier.respond(
-                pb.ClassifyRequest(request_id=request.id, top_k=top_k),
-                context,
-                pixels=_pixels(request, self._engine.input_shape),
-                scores=scores,
-            )
+            pixels, images = _pixels(request, core.engine.input_shape), ()
         else:
-            answer, probabilities = await self._classifier.respond(
-                pb.ClassifyRequest(request_id=request.id, images=_images(request), top_k=top_k),
-                context,
-                scores=scores,
-            )
-        if answer.error.code:
-            raise _Rejected(_status(answer.error.code), answer.error.message)
-        for i, result in enumerate(answer.results):
-            if result.error.code:
-                raise _Rejected(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"image {i}: {result.error.message}"
-                )
-        response = oip.ModelInferResponse(
-            model_name=self._name, model_version=self._version, id=answer.request_id
+            pixels, images = None, _images(request)
+        job = Job(
+            id=request.id,
+            images=images,
+            pixels=pixels,
+            top_k=top_k,
+            scores=any(output.k == 0 for output in outputs),
+            flow=flow,
+            protocol="oip",
+            oip_outputs=outputs,
         )
-        n = len(answer.results)
-        for name, k in wanted.items():
-            if k == 0:  # every class's probability
-                if probabilities is None:  # no images, so no rows
-                    probabilities = np.zeros((0, self._engine.num_classes), np.float32)
-                response.outputs.add(name=name, datatype="FP32", shape=list(probabilities.shape))
-                response.raw_output_contents.append(probabilities.astype("<f4").tobytes())
-            else:
-                elements = [
-                    f"{lb.score:f}:{lb.class_id}:{lb.name}".encode()
-                    for result in answer.results
-                    for lb in result.labels[:k]
-                ]
-                response.outputs.add(name=name, datatype="BYTES", shape=[n, k])
-                response.raw_output_contents.append(_encode_bytes(elements))
-        return response
+        core.check_count(job.count)
+        return job, budget_s(0, context)
+
+    async def _infer(self, request: oip.ModelInferRequest, context, stream: str) -> Answer:
+        """One request through the core: its answer (payload bytes, or code and message)."""
+        core = self._core
+        future = asyncio.get_running_loop().create_future()
+        try:
+            job, budget = self._job(request, context, context.peer())
+        except RaystreamError as exc:
+            job = Job(id=core.bounded_id(request.id), protocol="oip")
+            core.refuse(job, exc, future.set_result, stream)
+        else:
+            core.submit(job, future.set_result, stream, budget)
+        return await future
 
     async def ModelInfer(self, request, context):
-        try:
-            return await self._infer(request, context)
-        except _Rejected as exc:
-            await context.abort(exc.code, str(exc))
+        answer = await self._infer(request, context, "unary")
+        if answer.code:
+            await context.abort(_status(answer.code), answer.message)
+        return oip.ModelInferResponse.FromString(answer.payload)
 
     async def ModelStreamInfer(self, request_iterator, context):
         """Requests run concurrently (as on raystream.v1's stream) and are answered in
@@ -196,20 +169,30 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
 
         async def answer(request: oip.ModelInferRequest) -> oip.ModelStreamInferResponse:
             try:
-                response = await self._infer(request, context)
-                return oip.ModelStreamInferResponse(infer_response=response)
-            except _Rejected as exc:
+                result = await self._infer(request, context, "oip-stream")
+            except Exception as exc:  # a bug: the request still gets its answer
                 return oip.ModelStreamInferResponse(
-                    error_message=f"{exc.code.name}: {exc}",
-                    infer_response=oip.ModelInferResponse(
-                        id=self._classifier.request_id(request.id)
-                    ),
+                    error_message=f"{code_for(exc).name}: {message_for(exc)}"
                 )
+            if result.code:
+                return oip.ModelStreamInferResponse(
+                    error_message=f"{_status(result.code).name}: {result.message}",
+                    infer_response=oip.ModelInferResponse(id=self._core.bounded_id(request.id)),
+                )
+            return oip.ModelStreamInferResponse(
+                infer_response=oip.ModelInferResponse.FromString(result.payload)
+            )
 
-        async for response in self._classifier.serve_stream(
-            request_iterator, context, answer, size=oip.ModelInferRequest.ByteSize
+        async for response in self._streams.run(
+            request_iterator, start_task(answer), size=oip.ModelInferRequest.ByteSize
         ):
             yield response
+        if self._streams.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "server is shutting down: requests not answered on this stream were not "
+                "processed; send them again",
+            )
 
     # Probes answer without a token when token auth is on (serve_app/security.py), as the
     # grpc.health.v1 service does.
@@ -218,11 +201,12 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
 
     async def ServerReady(self, request, context):
         """False once the server drains (shutdown): balancers stop sending new work."""
-        return oip.ServerReadyResponse(ready=not self._classifier.draining)
+        return oip.ServerReadyResponse(ready=not self._streams.draining)
 
     async def ModelReady(self, request, context):
-        ready = request.name == self._name and request.version in ("", self._version)
-        return oip.ModelReadyResponse(ready=ready)
+        core = self._core
+        ready = request.name == core.name and request.version in ("", core.version)
+        return oip.ModelReadyResponse(ready=ready and not self._streams.draining)
 
     async def ServerMetadata(self, request, context):
         return oip.ServerMetadataResponse(
@@ -230,25 +214,23 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
         )
 
     async def ModelMetadata(self, request, context):
+        core = self._core
         try:
-            self._check_model(request.name, request.version)
-        except _Rejected as exc:
-            await context.abort(exc.code, str(exc))
+            core.check_model(request.name, request.version)
+        except RaystreamError as exc:
+            await context.abort(_status(int(exc.code)), str(exc))
         tensor = oip.ModelMetadataResponse.TensorMetadata
+        engine = core.engine
         return oip.ModelMetadataResponse(
-            name=self._name,
-            versions=[self._version],
-            platform=f"raystream_{self._engine.engine}",
+            name=core.name,
+            versions=[core.version],
+            platform=f"raystream_{engine.engine}",
             inputs=[
                 tensor(name=INPUT, datatype="BYTES", shape=[-1]),
-                tensor(name=PIXELS, datatype="FP32", shape=[-1, *self._engine.input_shape]),
+                tensor(name=PIXELS, datatype="FP32", shape=[-1, *engine.input_shape]),
             ],
             outputs=[
-                tensor(name=SCORES, datatype="FP32", shape=[-1, self._engine.num_classes]),
+                tensor(name=SCORES, datatype="FP32", shape=[-1, engine.num_classes]),
                 tensor(name=LABELS, datatype="BYTES", shape=[-1, -1]),
             ],
         )
-
-
-def _status(code: int) -> grpc.StatusCode:
-    return next(s for s in grpc.StatusCode if s.value[0] == code)

@@ -41,33 +41,30 @@ class StreamRunner:
     async def run(
         self,
         requests: AsyncIterator[Request],
-        answer: Callable[[Request], Awaitable[Answer]],
+        start: Callable[[Request, Callable[[Answer], None]], None],
         key: Callable[[Request], str] | None = None,
         duplicate: Callable[[Request], Answer] | None = None,
         size: Callable[[Request], int] = lambda request: 0,
     ) -> AsyncIterator[Answer]:
-        """At most `max_in_flight` requests, holding at most `max_buffered_bytes` (by
-        `size`), are read and not yet answered; past either the stream is not read and
-        gRPC flow control pushes back. A request whose `key` is already being computed gets
-        `duplicate(request)` instead of running."""
+        """`start(request, reply)` begins answering a request; `reply(answer)` must then be
+        called once, from the event loop. At most `max_in_flight` requests, holding at most
+        `max_buffered_bytes` (by `size`), are read and not yet answered; past either the
+        stream is not read and gRPC flow control pushes back. A request whose `key` is
+        being answered gets `duplicate(request)` instead."""
         answers: asyncio.Queue = asyncio.Queue()  # (answer, its request's size)
         slots = asyncio.Semaphore(self._max_in_flight)
         buffered = 0  # bytes of the requests read and not yet answered
         room = asyncio.Event()  # set while buffered < max_buffered_bytes
         room.set()
         computing: set[str] = set()
-        tasks: set[asyncio.Task] = set()
-        unanswered = 0  # read and not yet yielded: counted here, not by task done-callbacks,
-        # which run a loop step after the answer is queued and would leave this loop waiting
+        unanswered = 0  # read and not yet yielded
 
-        async def run_one(request: Request, request_key: str, request_size: int) -> None:
-            try:
-                result = await answer(request)
-            except Exception as exc:  # a bug in `answer`: the stream ends with it
-                result = _Failed(exc)
-            finally:
+        def reply_for(request_key: str, request_size: int) -> Callable[[Answer], None]:
+            def reply(answer: Answer) -> None:
                 computing.discard(request_key)
-            answers.put_nowait((result, request_size))
+                answers.put_nowait((answer, request_size))
+
+            return reply
 
         async def read() -> None:
             nonlocal unanswered, buffered
@@ -93,9 +90,10 @@ class StreamRunner:
                         continue
                     if request_key:
                         computing.add(request_key)
-                    task = asyncio.create_task(run_one(request, request_key, request_size))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
+                    try:
+                        start(request, reply_for(request_key, request_size))
+                    except Exception as exc:  # a bug in `start`: the stream ends with it
+                        answers.put_nowait((_Failed(exc), request_size))
             except asyncio.CancelledError:
                 if not self.draining:
                     raise
@@ -123,5 +121,23 @@ class StreamRunner:
         finally:
             self._readers.discard(reader)
             reader.cancel()
-            for task in tasks:
-                task.cancel()
+
+
+def start_task(
+    answer: Callable[[Request], Awaitable[Answer]],
+) -> Callable[[Request, Callable[[Answer], None]], None]:
+    """A `start` for StreamRunner.run from a coroutine function (the slower protocols)."""
+    tasks: set[asyncio.Task] = set()
+
+    def start(request: Request, reply: Callable[[Answer], None]) -> None:
+        task = asyncio.ensure_future(answer(request))
+        tasks.add(task)
+
+        def done(task: asyncio.Task) -> None:
+            tasks.discard(task)
+            if not task.cancelled():
+                reply(task.result() if task.exception() is None else _Failed(task.exception()))
+
+        task.add_done_callback(done)
+
+    return start

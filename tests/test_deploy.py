@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from serve_app.config import AppConfig
+from serve_app.topology import deployment_name, groups
 
 from conftest import free_port
 
@@ -36,10 +37,8 @@ def test_serve_configs_are_valid(path: Path) -> None:
     app = config["applications"][0]
     AppConfig.model_validate(app["args"])
     names = {d["name"] for d in app.get("deployments", [])}
-    topology = app["args"].get("topology", "chained")
-    expected = {"Ingress"} if topology == "direct" else {"Ingress", "Inference"}
-    if topology == "chained":
-        expected |= {"Preprocess", "Postprocess"}
+    config = AppConfig.model_validate({**app["args"], "model_repository": "."})
+    expected = {"Ingress", *map(deployment_name, groups(config))}
     assert names <= expected, f"{path.name} configures deployments its topology lacks"
 
 
@@ -52,17 +51,15 @@ def _redeploy_need(deployments: list[dict]) -> dict[str, float]:
     """CPUs and GPUs that Ray must find while a redeploy runs: each deployment's replicas
     (autoscaled ones at their minimum) plus the surge of new ones started before the old
     stop (`max_surge_percent`)."""
-    from serve_app import inference, ingress, stages
+    from serve_app.app import DEFAULTS
+    from serve_app.ingress import Ingress
 
-    defaults = {
-        "Ingress": ingress.Ingress,
-        "Preprocess": stages.Preprocess,
-        "Inference": inference.Inference,
-        "Postprocess": stages.Postprocess,
+    defaults = {"Ingress": Ingress.ray_actor_options} | {
+        name: options["ray_actor_options"] for name, options in DEFAULTS.items()
     }
     need = {"CPU": 0.0, "GPU": 0.0}
     for d in deployments:
-        options = d.get("ray_actor_options", defaults[d["name"]].ray_actor_options)
+        options = d.get("ray_actor_options", defaults[d["name"]])
         replicas = d.get("autoscaling_config", {}).get("min_replicas", d.get("num_replicas", 1))
         replicas += math.ceil(replicas * d.get("max_surge_percent", 0) / 100)
         need["CPU"] += replicas * options.get("num_cpus", 1)

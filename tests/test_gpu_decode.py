@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import importlib.util
 import io
@@ -13,8 +12,11 @@ import pytest
 import torch
 from PIL import Image
 
-from serve_app.config import AppConfig
-from serve_app.stages import Preprocessor
+from raystream.v1 import classifier_pb2 as pb
+from serve_app.config import STAGES, AppConfig
+from serve_app.messages import Batch, Job
+from serve_app.preprocess import PreprocessStage
+from serve_app.topology import StageGroup
 
 from conftest import encode
 
@@ -23,8 +25,24 @@ COFFEE = {967, 968, 504}
 HAS_GPU_DECODE = importlib.util.find_spec("torchvision") is not None and torch.cuda.is_available()
 
 
-def _preprocessor(model_repository, decode: str) -> Preprocessor:
-    return Preprocessor(AppConfig(model_repository=model_repository, decode=decode))
+def _preprocessor(model_repository, decode: str) -> PreprocessStage:
+    config = AppConfig(model_repository=model_repository, decode=decode)
+    return PreprocessStage(config, StageGroup.model_spec(config).preprocess)
+
+
+def _batch(*requests: list[bytes]) -> Batch:
+    return Batch(
+        jobs=tuple(Job(id=str(i), images=tuple(r), top_k=1) for i, r in enumerate(requests))
+    )
+
+
+def _top(answers) -> list[list[int]]:
+    """Each answer's top class per image, or the image's error code."""
+    responses = [pb.ClassifyResponse.FromString(a.payload) for a in answers]
+    return [
+        [r.labels[0].class_id if r.labels else r.error.code for r in response.results]
+        for response in responses
+    ]
 
 
 async def test_gpu_mode_passes_plain_jpegs_on_encoded(model_repository, photos) -> None:
@@ -36,14 +54,15 @@ async def test_gpu_mode_passes_plain_jpegs_on_encoded(model_repository, photos) 
     )
     truncated = photos["chelsea"][: len(photos["chelsea"]) // 3]
     images = [photos["chelsea"], png, b"junk", rotated, photos["coffee"], truncated]
-    pre = await _preprocessor(model_repository, "gpu").run(images)
-    assert pre.jpeg_indices == (0, 4) and pre.jpegs == (photos["chelsea"], photos["coffee"])
-    assert pre.indices == (1, 3)  # PNG and the EXIF-rotated JPEG decode on the CPU
+    pre = await _preprocessor(model_repository, "gpu").run(_batch(images))
+    assert pre.jpeg_owners[:, 1].tolist() == [0, 4]
+    assert pre.jpegs == (photos["chelsea"], photos["coffee"])
+    assert pre.crop_owners[:, 1].tolist() == [1, 3]  # PNG, EXIF-rotated JPEG: on the CPU
     # Truncated JPEGs stay on the CPU path, which reports them (nvJPEG does not).
-    assert [f.index for f in pre.failures] == [2, 5]
-    assert "truncated" in pre.failures[1].message
-    cpu = await _preprocessor(model_repository, "cpu").run(images)
-    assert cpu.jpegs == () and cpu.indices == (0, 1, 3, 4)
+    assert sorted(image for _, image in pre.image_failures) == [2, 5]
+    assert "truncated" in pre.image_failures[0, 5].message
+    cpu = await _preprocessor(model_repository, "cpu").run(_batch(images))
+    assert cpu.jpegs == () and cpu.crop_owners[:, 1].tolist() == [0, 1, 3, 4]
 
 
 @pytest.mark.gpu
@@ -158,17 +177,16 @@ def test_requests_decode_together_and_a_bad_jpeg_fails_alone(model, photos) -> N
     assert torch.equal(whole.pixels[2], crops[1].pixels[0])
 
 
-async def test_inference_replica_decodes_waiting_requests_together(
+async def test_a_gpu_decode_replica_decodes_a_batch_in_pieces_on_every_thread(
     model_repository, photos, monkeypatch
 ) -> None:
-    """decode: gpu through the Inference deployment's own code (the stand-in decoder on the
-    CPU): requests that wait together decode in one call, and each keeps its own answers."""
+    """decode: gpu through the stages' own code (a stand-in decoder on the CPU): a batch's
+    JPEGs decode in pieces of 32 spread over the decode threads, and each request keeps its
+    own answers in its own order, the junk bytes failing alone."""
     from serve_app import gpu_decode
-    from serve_app.config import BatchingConfig
-    from serve_app.inference import DECODE_BATCHES, Inference
+    from serve_app.inference import DECODE_THREADS
 
     decoder = _PilBatchDecoder()
-    calls = decoder.calls
     construct = gpu_decode.GpuJpegDecoder.__init__
 
     def on_the_cpu(self, spec, limits, **_):
@@ -176,37 +194,20 @@ async def test_inference_replica_decodes_waiting_requests_together(
 
     monkeypatch.setattr(gpu_decode.GpuJpegDecoder, "__init__", on_the_cpu)
     config = AppConfig(model_repository=model_repository, decode="gpu")
-    replica = Inference.func_or_class.__new__(Inference.func_or_class)
-    await replica.__init__(config.model_dump())
-    # one decode call at a time (user_config): the requests waiting for it merge
-    replica.reconfigure(BatchingConfig(decode_concurrency=1).model_dump())
-    preprocessor = Preprocessor(config)
-    requests = [
-        [photos["chelsea"], b"junk", photos["coffee"]],
-        [photos["coffee"]],
-        [photos["chelsea"], photos["chelsea"]],
-    ]
-    pres = [await preprocessor.run(images) for images in requests]
+    group = await StageGroup.create(config, STAGES)
     # Start-up warmed every decode thread, once each, before the replica was ready.
-    assert calls == [2] * DECODE_BATCHES and len(set(decoder.threads)) == DECODE_BATCHES
-    calls.clear()
-    answers = await asyncio.gather(*(replica(pre, 1) for pre in pres))
-    top = [
-        [o.labels[0].class_id if o.labels else o.failure.code for o in a.outcomes] for a in answers
-    ]
-    assert top[0][1] == 3  # the junk bytes: INVALID_ARGUMENT, at their position
-    assert top[0][0] in CATS and top[0][2] in COFFEE and top[1][0] in COFFEE
-    assert all(i in CATS for i in top[2])
-    assert sum(calls) == 5 and len(calls) < 3  # 5 JPEGs in fewer calls than requests
-
-    # Idle decode threads share one large request: 70 JPEGs in pieces of 32, 32 and 6.
-    replica._decode_batcher.set_concurrency(4)
-    calls.clear()
+    assert decoder.calls == [2] * DECODE_THREADS
+    assert len(set(decoder.threads)) == DECODE_THREADS
+    decoder.calls.clear()
     large = [photos["chelsea"], photos["coffee"]] * 35
-    answer = await replica(await preprocessor.run(large), 1)
-    assert sorted(calls) == [6, 32, 32]
-    top = [o.labels[0].class_id for o in answer.outcomes]
-    assert all(t in CATS for t in top[::2]) and all(t in COFFEE for t in top[1::2])
+    answers = await group.run(
+        _batch([photos["chelsea"], b"junk", photos["coffee"]], [photos["coffee"]], large)
+    )
+    assert sorted(decoder.calls) == [9, 32, 32]  # the 73 JPEGs (the junk is not one)
+    top = _top(answers)
+    assert top[0][0] in CATS and top[0][1] == 3 and top[0][2] in COFFEE
+    assert top[1][0] in COFFEE
+    assert all(t in CATS for t in top[2][::2]) and all(t in COFFEE for t in top[2][1::2])
 
 
 @pytest.mark.gpu
@@ -214,33 +215,28 @@ async def test_inference_replica_decodes_waiting_requests_together(
 async def test_gpu_replica_keeps_crops_on_the_gpu_and_answers_each_image(
     model_repository, photos
 ) -> None:
-    """The real decoder and torch-CUDA engine in one Inference replica: requests that mix
-    GPU-decoded JPEGs with CPU-decoded images and junk, batched together and one split in
-    decode pieces, each get their own labels in their own order."""
+    """The real decoder and torch-CUDA engine in one replica: requests that mix GPU-decoded
+    JPEGs with CPU-decoded images and junk, one split in decode pieces, each get their own
+    labels in their own order."""
     from serve_app.config import BatchingConfig, EngineConfig
-    from serve_app.inference import Inference
 
     config = AppConfig(
         model_repository=model_repository,
         decode="gpu",
         engine=EngineConfig(kind="torch-cuda", max_batch_size=64),
     )
-    replica = Inference.func_or_class.__new__(Inference.func_or_class)
-    await replica.__init__(config.model_dump())
-    replica.reconfigure(BatchingConfig(max_batch_size=64, decode_concurrency=2).model_dump())
+    group = await StageGroup.create(config, STAGES)
+    group.reconfigure(BatchingConfig(max_batch_size=64).model_dump())
     png = encode(np.asarray(Image.open(io.BytesIO(photos["coffee"]))), "PNG")
-    requests = [
-        [photos["chelsea"], photos["coffee"]],  # all on the GPU
-        [png, photos["chelsea"], b"junk"],  # CPU crops ahead of GPU ones, and a failure
-        [photos["chelsea"], photos["coffee"]] * 20,  # two decode pieces (32 + 8)
-    ]
-    preprocessor = Preprocessor(config)
-    pres = [await preprocessor.run(images) for images in requests]
-    answers = await asyncio.gather(*(replica(pre, 1) for pre in pres))
-    top = [
-        [o.labels[0].class_id if o.labels else o.failure.code for o in a.outcomes] for a in answers
-    ]
+    answers = await group.run(
+        _batch(
+            [photos["chelsea"], photos["coffee"]],  # all on the GPU
+            [png, photos["chelsea"], b"junk"],  # CPU crops beside GPU ones, and a failure
+            [photos["chelsea"], photos["coffee"]] * 20,  # two decode pieces (32 + 10)
+        )
+    )
+    top = _top(answers)
     assert top[0][0] in CATS and top[0][1] in COFFEE
     assert top[1][0] in COFFEE and top[1][1] in CATS and top[1][2] == 3
     assert all(t in CATS for t in top[2][::2]) and all(t in COFFEE for t in top[2][1::2])
-    assert replica.images_inferred() == 2 + 2 + 40
+    assert group.images_inferred() == 2 + 2 + 40

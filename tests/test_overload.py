@@ -10,6 +10,8 @@ import pytest
 from clients.client import Client
 from raystream.v1 import classifier_pb2 as pb
 
+from conftest import deploy_app, free_port
+
 pytestmark = pytest.mark.slow
 
 
@@ -17,19 +19,27 @@ pytestmark = pytest.mark.slow
 def small_queue_server(ray_cluster, model_repository):
     from ray import serve
 
-    from serve_app.config import AppConfig
-    from serve_app.inference import Inference
-    from serve_app.ingress import Ingress
-
-    config = AppConfig(
-        model_repository=model_repository, port=0, topology="fused", engine={"kind": "onnxruntime"}
-    ).model_dump(mode="json")
-    inference = Inference.options(user_config={"max_batch_size": 16, "max_queued_images": 16})
-    serve.start(proxy_location="Disabled")
-    handle = serve.run(
-        Ingress.bind(config, inference.bind(config)), name="overload", route_prefix=None
+    port = free_port()
+    deploy_app(
+        {
+            "name": "overload",
+            "route_prefix": None,
+            "import_path": "serve_app.app:build_app",
+            "args": {
+                "port": port,
+                "model_repository": str(model_repository),
+                "topology": "fused",
+                "engine": {"kind": "onnxruntime"},
+            },
+            "deployments": [
+                {
+                    "name": "Inference",
+                    "user_config": {"max_batch_size": 16, "max_queued_images": 16},
+                }
+            ],
+        }
     )
-    yield f"127.0.0.1:{handle.port.remote().result()}"
+    yield f"127.0.0.1:{port}"
     serve.delete("overload")
 
 

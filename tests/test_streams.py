@@ -1,4 +1,5 @@
-"""The stream runner shared by both protocols (serve_app/streams.py), without gRPC."""
+"""The stream runner shared by both protocols (serve_app/streams.py), without gRPC: answers
+made by coroutines (start_task), as the Open Inference Protocol's stream makes them."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 
 import pytest
 
-from serve_app.streams import StreamRunner
+from serve_app.streams import StreamRunner, start_task
 
 
 async def _requests(*items):
@@ -15,7 +16,7 @@ async def _requests(*items):
 
 
 async def _collect(runner: StreamRunner, requests, answer, **kwargs) -> list:
-    return [a async for a in runner.run(requests, answer, **kwargs)]
+    return [a async for a in runner.run(requests, start_task(answer), **kwargs)]
 
 
 async def test_answers_run_concurrently_and_come_in_completion_order() -> None:
@@ -96,7 +97,7 @@ async def test_a_request_holds_its_slot_until_its_answer_is_taken() -> None:
         return request
 
     runner = StreamRunner(max_in_flight=4)
-    stream = runner.run(requests(), answer)
+    stream = runner.run(requests(), start_task(answer))
     # The consumer takes one answer, then stops (gRPC asks for the next answer only once it
     # has sent this one, which waits while the client's flow-control window is full).
     first = await anext(stream)

@@ -1,0 +1,117 @@
+"""Each protocol's answer, built where the results are (the postprocess stage) as response
+bytes, so the ingress only writes them: raystream.v1 `ClassifyResponse` or the Open Inference
+Protocol's `ModelInferResponse`. Also the answers the ingress makes itself (refusals,
+failures of a whole call).
+
+The ingress adds the end-to-end time by appending a serialized `ClassifyResponse` holding only
+`timing.total_ms`: protobuf merges concatenated messages field by field (`with_total_ms`).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+
+from raystream.oip import grpc_predict_v2_pb2 as oip
+from raystream.v1 import classifier_pb2 as pb
+from serve_app.errors import Code
+from serve_app.messages import Answer, Batch, Failure, Job, StageTiming
+
+# OIP tensor names (serve_app/oip.py documents the model interface)
+OIP_IMAGES, OIP_PIXELS, OIP_SCORES, OIP_LABELS = "images", "pixels", "probabilities", "labels"
+
+
+def failed(job: Job, failure: Failure, timing: StageTiming | None = None) -> Answer:
+    """A request that failed as a whole."""
+    if job.protocol == "oip":
+        return Answer(b"", failure.code, message=failure.message, timing=timing or StageTiming())
+    response = pb.ClassifyResponse(request_id=job.id)
+    response.error.code, response.error.message = failure.code, failure.message
+    return Answer(response.SerializeToString(), failure.code, message=failure.message)
+
+
+def with_total_ms(payload: bytes, total_ms: float) -> bytes:
+    """A v1 response's bytes with timing.total_ms set (merged in, not re-encoded)."""
+    return payload + pb.ClassifyResponse(timing=pb.Timing(total_ms=total_ms)).SerializeToString()
+
+
+def answer_all(batch: Batch, labels: Sequence[str], model: tuple[str, str]) -> list[Answer]:
+    """Every job of a batch that went through inference, answered in its protocol;
+    `model`: the (name, version) OIP answers carry."""
+    rows_of: dict[int, list[int]] = {}
+    for row, job_index in enumerate(batch.owners[:, 0].tolist()):
+        rows_of.setdefault(job_index, []).append(row)
+    image_of = batch.owners[:, 1].tolist()
+    answers = []
+    for index, job in enumerate(batch.jobs):
+        failure = batch.job_failures.get(index)
+        if failure is not None:
+            answers.append(failed(job, failure, batch.timing))
+            continue
+        rows = {image_of[row]: row for row in rows_of.get(index, ())}
+        build = _oip if job.protocol == "oip" else _v1
+        answers.append(build(batch, index, job, rows, labels, model))
+    return answers
+
+
+def _v1(batch: Batch, index: int, job: Job, rows: dict[int, int], labels, model) -> Answer:
+    response = pb.ClassifyResponse(request_id=job.id)
+    codes: Counter[int] = Counter()
+    ids, scores = batch.top_ids, batch.top_scores
+    for image in range(job.count):
+        result = response.results.add()
+        row = rows.get(image)
+        if row is None:
+            failure = batch.image_failures[index, image]
+            result.error.code, result.error.message = failure.code, failure.message
+            codes[failure.code] += 1
+            continue
+        codes[0] += 1
+        for class_id, score in zip(
+            ids[row, : job.top_k].tolist(), scores[row, : job.top_k].tolist(), strict=True
+        ):
+            result.labels.add(class_id=class_id, name=labels[class_id], score=score)
+    t = batch.timing
+    timing = response.timing
+    timing.preprocess_ms, timing.queue_ms = t.preprocess_ms, t.queue_ms
+    timing.inference_ms, timing.postprocess_ms = t.inference_ms, t.postprocess_ms
+    timing.batch_size = t.batch_size
+    return Answer(response.SerializeToString(), 0, image_codes=tuple(codes.items()), timing=t)
+
+
+def _oip(batch: Batch, index: int, job: Job, rows: dict[int, int], labels, model) -> Answer:
+    """OIP has no per-image errors: a bad image fails the request, naming the image."""
+    for image in range(job.count):
+        if image not in rows:
+            failure = batch.image_failures[index, image]
+            message = f"image {image}: {failure.message}"
+            return Answer(b"", int(Code.INVALID_ARGUMENT), message=message, timing=batch.timing)
+    order = [rows[image] for image in range(job.count)]
+    response = oip.ModelInferResponse(model_name=model[0], model_version=model[1], id=job.id)
+    for output in job.oip_outputs:
+        if output.k == 0:  # every class's probability
+            probabilities = (
+                batch.probabilities[order] if order else np.zeros((0, len(labels)), np.float32)
+            )
+            response.outputs.add(name=output.name, datatype="FP32", shape=list(probabilities.shape))
+            response.raw_output_contents.append(probabilities.astype("<f4").tobytes())
+        else:
+            elements = [
+                f"{score:f}:{class_id}:{labels[class_id]}".encode()
+                for row in order
+                for class_id, score in zip(
+                    batch.top_ids[row, : output.k].tolist(),
+                    batch.top_scores[row, : output.k].tolist(),
+                    strict=True,
+                )
+            ]
+            response.outputs.add(name=output.name, datatype="BYTES", shape=[job.count, output.k])
+            response.raw_output_contents.append(
+                b"".join(struct.pack("<I", len(e)) + e for e in elements)
+            )
+    return Answer(
+        response.SerializeToString(), 0, image_codes=((0, job.count),), timing=batch.timing
+    )

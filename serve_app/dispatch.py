@@ -1,0 +1,106 @@
+"""The ingress' micro-batching: requests from every stream go to the stages in calls that
+carry many of them.
+
+A Ray call costs milliseconds of CPU whatever it carries, so while `max_calls` calls are in
+flight new requests queue, and the next call takes everything queued (up to `max_per_call`);
+at low load a lone request goes at once. A request that waited `spill_after_s` while every
+call stayed busy goes in an extra call (at most `max_calls` extra at once): a call stuck on one
+client's expensive images must not hold everyone else's requests.
+
+Callbacks, not a future per request: each call answers its requests when it returns, and the
+ingress does no work per request beyond queueing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Awaitable, Callable
+from typing import Generic, Protocol, TypeVar
+
+
+class Pending(Protocol):
+    """What the dispatcher queues: `done` once answered (a deadline may answer first)."""
+
+    done: bool
+
+
+P = TypeVar("P", bound=Pending)
+
+
+class Dispatcher(Generic[P]):
+    def __init__(
+        self,
+        call: Callable[[list[P]], Awaitable[None]],
+        *,
+        max_per_call: int,
+        max_calls: int,
+        spill_after_s: float = 0.02,
+    ) -> None:
+        """`call(items)` sends one call and answers each item (it must not raise)."""
+        self._call = call
+        self._max_per_call, self._max_calls = max_per_call, max_calls
+        self._spill_after_s = spill_after_s
+        self._queue: collections.deque[tuple[P, float]] = collections.deque()
+        self._running = 0
+        self._spilled = 0
+        self._spill_timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def calls_in_flight(self) -> int:
+        return self._running + self._spilled
+
+    def submit(self, item: P) -> None:
+        self._queue.append((item, time.perf_counter()))
+        if self._running < self._max_calls:
+            self._start(spill=False)
+        elif self._spill_timer is None:
+            self._spill_timer = asyncio.get_running_loop().call_later(
+                self._spill_after_s, self._spill
+            )
+
+    def _take(self) -> list[P]:
+        items = []
+        while self._queue and len(items) < self._max_per_call:
+            item, _ = self._queue.popleft()
+            if not item.done:  # answered meanwhile (its deadline passed): not sent
+                items.append(item)
+        return items
+
+    def _start(self, spill: bool) -> None:
+        items = self._take()
+        if not items:
+            return
+        if spill:
+            self._spilled += 1
+        else:
+            self._running += 1
+        task = asyncio.ensure_future(self._call(items))
+        self._tasks.add(task)
+        task.add_done_callback(lambda t: self._finished(t, spill))
+
+    def _finished(self, task: asyncio.Task, spill: bool) -> None:
+        self._tasks.discard(task)
+        if spill:
+            self._spilled -= 1
+        else:
+            self._running -= 1
+        if self._queue and self._running < self._max_calls:
+            self._start(spill=False)
+
+    def _spill(self) -> None:
+        """Every call stayed busy while the oldest request waited: send an extra call, and
+        look again later while requests keep waiting."""
+        self._spill_timer = None
+        if not self._queue:
+            return
+        waited = time.perf_counter() - self._queue[0][1]
+        if waited >= self._spill_after_s and self._spilled < self._max_calls:
+            self._start(spill=True)
+            waited = 0.0
+        if self._queue:
+            self._spill_timer = asyncio.get_running_loop().call_later(
+                max(self._spill_after_s - waited, 0.001), self._spill
+            )

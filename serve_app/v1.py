@@ -1,0 +1,158 @@
+"""raystream.v1.ImageClassifier over the serving core (serve_app/core.py): requests parsed
+and checked here, answers written as the bytes the postprocess stage made (the response
+serializer is the identity: this replica never re-encodes a response).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+
+import grpc
+
+from raystream.v1 import classifier_pb2 as pb
+from serve_app.core import ServingCore
+from serve_app.errors import DuplicateRequest, InvalidArgument, RaystreamError, clip
+from serve_app.messages import Answer, Job
+from serve_app.preprocessing import client_pixels
+from serve_app.streams import StreamRunner
+
+SERVICE = pb.DESCRIPTOR.services_by_name["ImageClassifier"].full_name
+REPLICA_METADATA = "raystream-replica"
+
+
+def budget_s(timeout_ms: int, context: grpc.aio.ServicerContext | None) -> float | None:
+    """Seconds a request may take: its own timeout or what is left of the call's gRPC
+    deadline (a stream's deadline bounds every request on it), whichever is sooner."""
+    budgets = [timeout_ms / 1000.0] if timeout_ms else []
+    remaining = context.time_remaining() if context is not None else None
+    if remaining is not None:
+        budgets.append(max(remaining, 0.0))
+    return min(budgets) if budgets else None
+
+
+class ClassifierService:
+    def __init__(self, core: ServingCore, streams: StreamRunner) -> None:
+        self._core = core
+        self._streams = streams
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The service's methods; Classify and ClassifyOnce answer with bytes as they are."""
+        parse = pb.ClassifyRequest.FromString
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Classify": grpc.stream_stream_rpc_method_handler(self.Classify, parse, None),
+                "ClassifyOnce": grpc.unary_unary_rpc_method_handler(self.ClassifyOnce, parse, None),
+                "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                    self.GetModelInfo,
+                    pb.ModelInfoRequest.FromString,
+                    pb.ModelInfo.SerializeToString,
+                ),
+            },
+        )
+
+    def _start(
+        self,
+        request: pb.ClassifyRequest,
+        reply: Callable[[Answer], None],
+        context: grpc.aio.ServicerContext,
+        flow: str,
+        stream: str,
+    ):
+        """Check `request` and hand it to the core; refusals are answered at once."""
+        core = self._core
+        job = Job(id=core.bounded_id(request.request_id))
+        try:
+            core.check_id(request.request_id)
+            core.check_model(request.model)
+            top_k = core.top_k(request.top_k)
+            pixels = None
+            if request.HasField("pixels"):
+                if request.images:
+                    raise InvalidArgument("send images or pixels in a request, not both")
+                tensor = request.pixels
+                pixels = client_pixels(
+                    tuple(tensor.shape), tensor.data, core.engine.input_shape, "pixels"
+                )
+            job = Job(
+                id=job.id,
+                images=tuple(request.images),
+                pixels=pixels,
+                top_k=top_k,
+                flow=flow,
+            )
+            core.check_count(job.count)
+        except RaystreamError as exc:
+            return core.refuse(job, exc, reply, stream)
+        return core.submit(job, reply, stream, budget_s(request.timeout_ms, context))
+
+    async def Classify(self, request_iterator, context):
+        """Bidi stream: requests run concurrently, answered in completion order."""
+        stream = uuid.uuid4().hex[:12]
+        pending = []
+
+        def start(request: pb.ClassifyRequest, reply: Callable[[Answer], None]) -> None:
+            handle = self._start(request, lambda a: reply(a.payload), context, stream, stream)
+            if handle is not None:
+                pending.append(handle)
+                if len(pending) > 256:  # forget the answered ones now and then
+                    pending[:] = [p for p in pending if not p.done]
+
+        def duplicate(request: pb.ClassifyRequest) -> bytes:
+            exc = DuplicateRequest(
+                f"request_id {clip(request.request_id)!r} is already in flight on this stream"
+            )
+            answered: list[Answer] = []
+            self._core.refuse(Job(id=request.request_id), exc, answered.append, stream)
+            return answered[0].payload
+
+        try:
+            async for payload in self._streams.run(
+                request_iterator,
+                start,
+                key=self._duplicate_key,
+                duplicate=duplicate,
+                size=pb.ClassifyRequest.ByteSize,
+            ):
+                yield payload
+        finally:
+            for handle in pending:  # the client went away: drop what it still waits for
+                self._core.abandon(handle)
+        if self._streams.draining:
+            # What the client sent after reading stopped was never read: safe to resend.
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "server is shutting down: requests not answered on this stream were not "
+                "processed; send them again",
+            )
+
+    def _duplicate_key(self, request: pb.ClassifyRequest) -> str:
+        """Ids over the limit are refused by their checks, never matched as duplicates."""
+        request_id = request.request_id
+        too_long = len(request_id) > len(self._core.bounded_id(request_id))
+        return "" if too_long else request_id
+
+    async def ClassifyOnce(self, request, context):
+        future = asyncio.get_running_loop().create_future()
+        self._start(request, future.set_result, context, context.peer(), "unary")
+        return (await future).payload
+
+    async def GetModelInfo(self, request, context):
+        core = self._core
+        try:
+            core.check_model(request.model)
+        except RaystreamError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        context.set_trailing_metadata(((REPLICA_METADATA, core.replica),))
+        engine = core.engine
+        return pb.ModelInfo(
+            name=core.name,
+            version=core.version,
+            engine=engine.engine,
+            input_shape=[-1, *engine.input_shape],
+            num_classes=engine.num_classes,
+            max_batch_size=engine.max_batch_size,
+            precision=engine.precision,
+        )

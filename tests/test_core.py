@@ -1,0 +1,107 @@
+"""The serving core and its micro-batched calls (serve_app/core.py, dispatch.py), without Ray
+or gRPC: the three stages' real code, each in a StageGroup of its own as topology chained
+runs them, chained in-process; the echo engine (these tests are about batching calls and
+answering each request once, not labels)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from raystream.v1 import classifier_pb2 as pb
+from serve_app.config import STAGES, AppConfig, EngineConfig
+from serve_app.core import ServingCore
+from serve_app.messages import Answer, Batch, Job
+from serve_app.topology import StageGroup
+
+DEADLINE_EXCEEDED, INVALID_ARGUMENT, RESOURCE_EXHAUSTED = 4, 3, 8
+
+
+class Chain:
+    """The stage groups, one call after the other; each call's batch is recorded, and the
+    first call waits for `gate`."""
+
+    def __init__(self, groups: list[StageGroup]) -> None:
+        self.groups, self.calls, self.gate = groups, [], asyncio.Event()
+
+    async def __call__(self, batch: Batch) -> list[Answer]:
+        self.calls.append(len(batch.jobs))
+        if len(self.calls) == 1:
+            await self.gate.wait()
+        for group in self.groups:
+            batch = await group.run(batch)
+        return batch
+
+
+async def _until(condition) -> None:
+    async with asyncio.timeout(10):
+        while not condition():
+            await asyncio.sleep(0.001)
+
+
+@pytest.fixture
+async def core(model_repository) -> tuple[ServingCore, Chain]:
+    config = AppConfig(
+        model_repository=model_repository,
+        engine=EngineConfig(kind="echo"),
+        max_calls_in_flight=1,
+        limits={"max_in_flight_requests": 6},
+    )
+    groups = [await StageGroup.create(config, (stage,)) for stage in STAGES]
+    chain = Chain(groups)
+    return ServingCore(config, groups[1].info(), chain), chain
+
+
+def _submit(core: ServingCore, job: Job, budget_s: float | None = None) -> asyncio.Future:
+    answer = asyncio.get_running_loop().create_future()
+    core.submit(job, answer.set_result, "test", budget_s)
+    return answer
+
+
+def _response(answer: Answer) -> pb.ClassifyResponse:
+    return pb.ClassifyResponse.FromString(answer.payload)
+
+
+async def test_requests_queued_behind_a_call_go_together_in_the_next(core, photos) -> None:
+    core, chain = core
+    first = _submit(core, Job(id="first", images=(photos["chelsea"],), top_k=1))
+    await _until(lambda: chain.calls == [1])  # the first call runs, held at its gate
+    queued = [
+        _submit(core, Job(id="coffee", images=(photos["coffee"],), top_k=2)),
+        _submit(core, Job(id="mixed", images=(b"junk", photos["rocket"]), top_k=2)),
+        _submit(core, Job(id="astronaut", images=(photos["astronaut"],), top_k=2)),
+    ]
+    late = _submit(core, Job(id="late", images=(photos["coffee"],)), budget_s=0.0)
+    assert (await late).code == DEADLINE_EXCEEDED  # answered by its deadline, not sent
+    chain.gate.set()
+    answers = [_response(a) for a in await asyncio.gather(first, *queued)]
+    assert chain.calls == [1, 3]  # one call for the three queued meanwhile
+    assert [a.request_id for a in answers] == ["first", "coffee", "mixed", "astronaut"]
+    assert [len(a.results) for a in answers] == [1, 1, 2, 1]
+    junk, rocket = answers[2].results
+    assert junk.error.code == INVALID_ARGUMENT and len(rocket.labels) == 2
+    assert answers[0].timing.total_ms > 0 and answers[1].timing.batch_size == 3
+    assert core.requests_in_flight == 0
+
+
+async def test_past_the_in_flight_limit_requests_are_refused_at_once(core, photos) -> None:
+    core, chain = core
+    held = [_submit(core, Job(id=str(i), images=(photos["coffee"],))) for i in range(6)]
+    refused = await _submit(core, Job(id="over", images=(photos["coffee"],)))
+    assert refused.code == RESOURCE_EXHAUSTED and "limit is 6" in refused.message
+    chain.gate.set()
+    assert {a.code for a in await asyncio.gather(*held)} == {0}
+
+
+async def test_an_abandoned_request_is_not_sent(core, photos) -> None:
+    core, chain = core
+    first = _submit(core, Job(id="first", images=(photos["chelsea"],)))
+    await _until(lambda: chain.calls == [1])
+    answered = []
+    gone = core.submit(Job(id="gone", images=(photos["coffee"],)), answered.append, "s")
+    kept = _submit(core, Job(id="kept", images=(photos["coffee"],)))
+    core.abandon(gone)
+    chain.gate.set()
+    await asyncio.gather(first, kept)
+    assert chain.calls == [1, 1] and answered == [] and core.requests_in_flight == 0
