@@ -218,6 +218,7 @@ class InferenceStage:
             batch_size=max(r.batch_size for r in ran),
         )
         return batch.replace(
+            jobs=tuple(job.without_inputs() for job in batch.jobs),
             crops=None,
             owners=owners,
             top_ids=top_ids,

@@ -42,10 +42,17 @@ class Job:
     flow: str = ""  # the stream or connection it came on: flows share the decoders in turn
     protocol: str = "v1"  # "v1" or "oip": the answer's format (serve_app/answers.py)
     oip_outputs: tuple[OipOutput, ...] = ()
+    count: int = -1  # images in the request; kept when a stage drops the inputs it used
 
-    @property
-    def count(self) -> int:
-        return len(self.images) if self.pixels is None else len(self.pixels)
+    def __post_init__(self) -> None:
+        if self.count < 0:
+            count = len(self.images) if self.pixels is None else len(self.pixels)
+            object.__setattr__(self, "count", count)
+
+    def without_inputs(self) -> Job:
+        """This job once its images or pixels are used: the next stages need neither, and
+        a Ray call between stages would copy them again."""
+        return dataclasses.replace(self, images=(), pixels=None)
 
 
 @dataclass(frozen=True)

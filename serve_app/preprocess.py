@@ -98,6 +98,9 @@ class PreprocessStage:
                     crop_owners.append((job, image))
         timing = StageTiming(preprocess_ms=(time.perf_counter() - start) * 1000.0)
         return batch.replace(
+            jobs=tuple(
+                job if job.pixels is not None else job.without_inputs() for job in batch.jobs
+            ),
             crops=np.stack(crops) if crops else None,
             crop_owners=_owners(crop_owners),
             jpegs=tuple(jpegs),
