@@ -14,7 +14,7 @@ classified in one process, no gRPC, no Ray) and `plain_server` (bench/plain_serv
 plain grpc.aio server with canned answers, loaded and measured like raystream).
 
 It prints a table last and writes results.json plus every load's report and every server's
-log under --out (default bench/results/<time>; $OUT/bench when OUT is set). The format of a
+log under --out (default bench/results/<time>, or $OUT/bench when OUT is set). The format of a
 scenario file is in docs/benchmarking.md and in bench/scenarios/cpu.yaml.
 """
 
@@ -218,6 +218,20 @@ def tiny_photos(folder: Path) -> Path:
     return folder
 
 
+_PHOTOS: list[Path] = []
+
+
+def builtin_photos() -> Path:
+    """load.py's built-in photos as files in their order, made once per run (outside --out,
+    which a GPU host sends back)."""
+    if not _PHOTOS:
+        folder = Path(tempfile.mkdtemp(prefix="raystream-photos-"))
+        for i, (name, data) in enumerate(zip(load.PHOTOS, load.builtin_photos(), strict=True)):
+            (folder / f"{i}-{name}.jpg").write_bytes(data)
+        _PHOTOS.append(folder)
+    return _PHOTOS[0]
+
+
 def run_grpc_load(load_def: dict, target: str, tree: ServerProcesses, path: Path) -> dict:
     """bench/load.py against the server, as a child process; the server's CPU over the
     window that it announces."""
@@ -227,7 +241,9 @@ def run_grpc_load(load_def: dict, target: str, tree: ServerProcesses, path: Path
     photos = load_def.get("photos", "builtin")
     if photos == "tiny":
         command += ["--photos", str(tiny_photos(path.parent / "tiny-photos"))]
-    elif photos != "builtin":
+    elif photos == "builtin":  # encoded once per run, not once per load
+        command += ["--photos", str(builtin_photos())]
+    else:
         command += ["--photos", str(ROOT / photos)]
     for field in sorted(LOAD_FIELDS):
         value = getattr(spec, field)
@@ -484,7 +500,8 @@ def _stop(child: subprocess.Popen, tree: ServerProcesses, timeout: float = 90) -
         child.send_signal(signal.SIGINT)
         with contextlib.suppress(subprocess.TimeoutExpired):
             child.wait(timeout)
-    left = [pid for pid, _ in tree.scan()]
+    # What is left of this server, less the MPS daemon, which mps_daemon() stops itself.
+    left = [pid for (pid, _), (_, name) in tree.scan().items() if "mps" not in name]
     for pid in left:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -495,7 +512,7 @@ def _stop(child: subprocess.Popen, tree: ServerProcesses, timeout: float = 90) -
 def run_server(scenario: str, server: dict, loads: list[dict], port: int, args) -> list[dict]:
     """Starts one server, runs its loads, stops it; one row per load."""
     name = server["name"]
-    out = args.out / scenario / name
+    out = args.out / f"{scenario}-{name}"  # shallow: a GPU host's $OUT returns 3 levels
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     remote = [d for d in loads if d["kind"] == "grpc"]
@@ -712,8 +729,10 @@ def main() -> None:
     if not args.scenarios:
         parser.error("name at least one scenario file")
     if args.out is None:
-        base = Path(os.environ["OUT"]) / "bench" if os.environ.get("OUT") else HERE / "results"
-        args.out = base / time.strftime("%Y%m%d-%H%M%S")
+        if os.environ.get("OUT"):
+            args.out = Path(os.environ["OUT"]) / "bench"
+        else:
+            args.out = HERE / "results" / time.strftime("%Y%m%d-%H%M%S")
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     port = args.port
