@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from raystream.v1 import classifier_pb2 as pb
 from serve_app.core import ServingCore
@@ -32,6 +34,30 @@ def budget_s(timeout_ms: int, context: grpc.aio.ServicerContext | None) -> float
     return min(budgets) if budgets else None
 
 
+@dataclass(frozen=True)
+class _Read:
+    """A message read from a stream: its size on the wire (what it holds in memory), and the
+    request, or None if the bytes are not a ClassifyRequest."""
+
+    raw: bytes
+    request: pb.ClassifyRequest | None
+
+    @property
+    def size(self) -> int:
+        return len(self.raw)
+
+
+async def _parsed(messages: AsyncIterator[bytes]) -> AsyncIterator[_Read]:
+    """Parsed here rather than by gRPC: the size comes free (ByteSize re-encodes the whole
+    message), and a malformed message fails alone instead of ending the stream."""
+    async for raw in messages:
+        try:
+            request = pb.ClassifyRequest.FromString(raw)
+        except DecodeError:
+            request = None
+        yield _Read(raw, request)
+
+
 class ClassifierService:
     def __init__(self, core: ServingCore, streams: StreamRunner) -> None:
         self._core = core
@@ -43,7 +69,8 @@ class ClassifierService:
         return grpc.method_handlers_generic_handler(
             SERVICE,
             {
-                "Classify": grpc.stream_stream_rpc_method_handler(self.Classify, parse, None),
+                # Raw bytes in: the stream parses them itself (serve_app/v1.py _parsed)
+                "Classify": grpc.stream_stream_rpc_method_handler(self.Classify, None, None),
                 "ClassifyOnce": grpc.unary_unary_rpc_method_handler(self.ClassifyOnce, parse, None),
                 "GetModelInfo": grpc.unary_unary_rpc_method_handler(
                     self.GetModelInfo,
@@ -93,14 +120,19 @@ class ClassifierService:
         stream = uuid.uuid4().hex[:12]
         pending = []
 
-        def start(request: pb.ClassifyRequest, reply: Callable[[Answer], None]) -> None:
-            handle = self._start(request, lambda a: reply(a.payload), context, stream, stream)
+        def start(read: _Read, reply: Callable[[Answer], None]) -> None:
+            if read.request is None:
+                exc = InvalidArgument("message is not a raystream.v1.ClassifyRequest")
+                self._core.refuse(Job(id=""), exc, lambda a: reply(a.payload), stream)
+                return
+            handle = self._start(read.request, lambda a: reply(a.payload), context, stream, stream)
             if handle is not None:
                 pending.append(handle)
                 if len(pending) > 256:  # forget the answered ones now and then
                     pending[:] = [p for p in pending if not p.done]
 
-        def duplicate(request: pb.ClassifyRequest) -> bytes:
+        def duplicate(read: _Read) -> bytes:
+            request = read.request
             exc = DuplicateRequest(
                 f"request_id {clip(request.request_id)!r} is already in flight on this stream"
             )
@@ -110,11 +142,11 @@ class ClassifierService:
 
         try:
             async for payload in self._streams.run(
-                request_iterator,
+                _parsed(request_iterator),
                 start,
                 key=self._duplicate_key,
                 duplicate=duplicate,
-                size=pb.ClassifyRequest.ByteSize,
+                size=_Read.size.fget,
             ):
                 yield payload
         finally:
@@ -128,9 +160,11 @@ class ClassifierService:
                 "processed; send them again",
             )
 
-    def _duplicate_key(self, request: pb.ClassifyRequest) -> str:
+    def _duplicate_key(self, read: _Read) -> str:
         """Ids over the limit are refused by their checks, never matched as duplicates."""
-        request_id = request.request_id
+        if read.request is None:
+            return ""
+        request_id = read.request.request_id
         too_long = len(request_id) > len(self._core.bounded_id(request_id))
         return "" if too_long else request_id
 

@@ -138,3 +138,24 @@ async def test_an_image_pil_refuses_says_what_is_wrong(hardened) -> None:
     error = answer.results[0].error
     assert error.code == INVALID_ARGUMENT
     assert "TIFF image that cannot be decoded (unknown pixel mode)" in error.message
+
+
+async def test_a_message_that_is_not_a_request_fails_alone(hardened, photos) -> None:
+    """Bytes that do not parse as a ClassifyRequest get INVALID_ARGUMENT in their own answer;
+    the requests around them are answered and the stream goes on."""
+    one, two = (
+        pb.ClassifyRequest(request_id=name, images=[photos["coffee"]]).SerializeToString()
+        for name in ("one", "two")
+    )
+    async with grpc.aio.insecure_channel(hardened[0]) as channel:
+        classify = channel.stream_stream(
+            "/raystream.v1.ImageClassifier/Classify",
+            request_serializer=None,
+            response_deserializer=pb.ClassifyResponse.FromString,
+        )
+        answers = [a async for a in classify(iter([one, b"\xff" * 5, two]))]
+    by_id = {a.request_id: a for a in answers}
+    assert len(answers) == 3 and set(by_id) == {"one", "two", ""}
+    assert by_id[""].error.code == INVALID_ARGUMENT
+    assert "not a raystream.v1.ClassifyRequest" in by_id[""].error.message
+    assert by_id["one"].error.code == 0 and by_id["two"].error.code == 0
