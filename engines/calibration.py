@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from engines.base import normalize
+from engines.images import InvalidImage, decode
 from engines.repository import PreprocessSpec
 
 logger = logging.getLogger(__name__)
@@ -33,9 +34,6 @@ def calibration_batches(
     """Float32 (batch_size, 3, H, W) batches; the last batch is completed by cycling from the
     start, so every batch has the calibration profile's exact shape. Unreadable images are
     skipped with a warning."""
-    from serve_app.errors import InvalidImage
-    from serve_app.preprocessing import decode
-
     crops = []
     for path in paths:
         try:

@@ -157,7 +157,7 @@ class GraphEngine(Engine):
         self, images: np.ndarray | torch.Tensor, mean: np.ndarray, std: np.ndarray
     ) -> np.ndarray:
         """Upload uint8 crops (a quarter of float32's bytes) and normalize on the GPU. Crops
-        already on this device (a tensor: serve_app/gpu_decode.py) are read where they are."""
+        already on this device (a tensor: engines/gpu_decode.py) are read where they are."""
         c, h, w = self.info.input_shape
         n = len(images)
         on_device = isinstance(images, torch.Tensor)

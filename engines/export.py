@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from engines.base import normalize
+from engines.images import crop_to_input
 from engines.repository import (
     ONNX_FILE,
     SPEC_FILE,
@@ -32,6 +33,7 @@ from engines.repository import (
     resolve,
     sha256_file,
 )
+from engines.scores import softmax
 
 logger = logging.getLogger(__name__)
 
@@ -90,16 +92,9 @@ def check_photos(spec: PreprocessSpec) -> np.ndarray:
     from PIL import Image
     from skimage import data
 
-    from serve_app.preprocessing import crop_to_input
-
     photos = [data.chelsea(), data.coffee(), data.astronaut(), data.rocket()]
     crops = [crop_to_input(Image.fromarray(p), spec) for p in photos]
     return normalize(np.stack(crops), spec.mean_array, spec.std_array)
-
-
-def _softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max(axis=1, keepdims=True))
-    return e / e.sum(axis=1, keepdims=True)
 
 
 def export_model(
@@ -162,9 +157,9 @@ def _check_parity(model: torch.nn.Module, onnx_path: Path, spec: PreprocessSpec)
 
     batch = check_photos(spec)
     with torch.inference_mode():
-        expected = _softmax(model(torch.from_numpy(batch)).numpy())
+        expected = softmax(model(torch.from_numpy(batch)).numpy())
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    got = _softmax(session.run(None, {"input": batch})[0])
+    got = softmax(session.run(None, {"input": batch})[0])
     diff = float(np.abs(expected - got).max())
     if diff > PARITY_ATOL or not np.array_equal(expected.argmax(1), got.argmax(1)):
         raise RuntimeError(

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from engines import EngineInfo
+from engines.scores import DEFAULT_TOP_K
 from serve_app.answers import failed, with_total_ms
 from serve_app.config import AppConfig
 from serve_app.dispatch import Dispatcher
@@ -30,6 +31,7 @@ from serve_app.errors import (
     Overloaded,
     clip,
     code_for,
+    code_name,
     message_for,
 )
 from serve_app.messages import Answer, Batch, Failure, Job
@@ -37,13 +39,6 @@ from serve_app.metrics import IngressMetrics
 
 logger = logging.getLogger(__name__)
 request_log = logging.getLogger("ray.serve")  # lands in the replica's Serve log file
-
-DEFAULT_TOP_K = 5
-_CODE_NAMES = {int(code): code.name for code in Code}
-
-
-def code_name(code: int) -> str:
-    return _CODE_NAMES.get(code) or str(code)
 
 
 @dataclass(eq=False)

@@ -26,7 +26,8 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from serve_app.errors import DeadlineExceeded, InvalidImage
+from engines.images import InvalidImage
+from serve_app.errors import DeadlineExceeded
 
 # Decoding ~4 megapixels costs about 0.1 s of one core (a 16-bit PNG: 30 ns a pixel).
 HEAVY_PIXELS = 4_000_000

@@ -1,7 +1,9 @@
 """One exception hierarchy and the one table that maps failures to gRPC status codes.
 
 Stages raise these; only the ingress turns them into `Error{code, message}` (or a gRPC
-status). Codes are google.rpc.Code values, kept here as ints so no stage imports grpc.
+status). Codes are google.rpc.Code values, kept here as ints so no stage imports grpc. The
+engines' own InvalidImage (engines/images.py: the image policy, which knows nothing of the
+server) is mapped here with the foreign failures.
 """
 
 from __future__ import annotations
@@ -12,20 +14,30 @@ from enum import IntEnum
 from ray import exceptions as ray_exceptions
 from ray.serve import exceptions as serve_exceptions
 
+from engines.images import InvalidImage
+
 
 class Code(IntEnum):
+    """The google.rpc.Code values raystream answers with (grpc.StatusCode's numbers)."""
+
     OK = 0
     CANCELLED = 1
-    UNKNOWN = 2
     INVALID_ARGUMENT = 3
     DEADLINE_EXCEEDED = 4
     NOT_FOUND = 5
     ALREADY_EXISTS = 6
     RESOURCE_EXHAUSTED = 8
-    FAILED_PRECONDITION = 9
     INTERNAL = 13
     UNAVAILABLE = 14
-    UNAUTHENTICATED = 16
+
+
+def code_name(code: int) -> str:
+    """The status name of `code` ("OK", "INVALID_ARGUMENT", ...), as metrics and logs say
+    it and as grpc.StatusCode spells it; the number itself for a code not in the table."""
+    try:
+        return Code(code).name
+    except ValueError:
+        return str(code)
 
 
 class RaystreamError(Exception):
@@ -36,10 +48,6 @@ class RaystreamError(Exception):
 
 class InvalidArgument(RaystreamError):
     code = Code.INVALID_ARGUMENT
-
-
-class InvalidImage(InvalidArgument):
-    """One image cannot be used; it fails alone, the rest of its request goes on."""
 
 
 class ModelNotFound(RaystreamError):
@@ -54,18 +62,15 @@ class Overloaded(RaystreamError):
     code = Code.RESOURCE_EXHAUSTED
 
 
-class Unavailable(RaystreamError):
-    code = Code.UNAVAILABLE
-
-
 class DeadlineExceeded(RaystreamError):
     """The request's deadline (its `timeout_ms`, or the call's gRPC deadline) passed first."""
 
     code = Code.DEADLINE_EXCEEDED
 
 
-# Failures raised by Ray or asyncio rather than by us, most specific first.
+# Failures raised by the engines, Ray or asyncio rather than by us, most specific first.
 _FOREIGN_CODES: tuple[tuple[type[BaseException], Code], ...] = (
+    (InvalidImage, Code.INVALID_ARGUMENT),
     (serve_exceptions.BackPressureError, Code.RESOURCE_EXHAUSTED),
     (serve_exceptions.RequestCancelledError, Code.CANCELLED),
     (serve_exceptions.DeploymentUnavailableError, Code.UNAVAILABLE),
@@ -103,13 +108,16 @@ def clip(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
+_OWN_MESSAGES = (RaystreamError, InvalidImage)  # written for clients: passed on as they are
+
+
 def message_for(exc: BaseException) -> str:
     """A one-line message for clients: our own messages as written, others by type; never
     longer than MAX_MESSAGE_CHARS."""
-    if isinstance(exc, RaystreamError):
+    if isinstance(exc, _OWN_MESSAGES):
         return clip(str(exc), MAX_MESSAGE_CHARS)
     cause = getattr(exc, "cause", None)  # RayTaskError wraps the replica's exception
-    if isinstance(cause, RaystreamError):
+    if isinstance(cause, _OWN_MESSAGES):
         return clip(str(cause), MAX_MESSAGE_CHARS)
     text = str(exc).strip().splitlines()
     return clip(f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": "), MAX_MESSAGE_CHARS)

@@ -23,8 +23,8 @@ import numpy as np
 from ray import serve
 
 from engines import Engine, EngineInfo, create_engine
+from engines import scores as postprocessing
 from engines.repository import ModelRef
-from serve_app import postprocessing
 from serve_app.batching import AdaptiveWait, DynamicBatcher
 from serve_app.config import AppConfig, BatchingConfig
 from serve_app.errors import Code, code_for, message_for
@@ -107,7 +107,7 @@ class InferenceStage:
         }
         self._gpu_decoder = None
         if config.decode == "gpu":
-            from serve_app.gpu_decode import GpuJpegDecoder
+            from engines.gpu_decode import GpuJpegDecoder
             from serve_app.preprocess import decode_limits
 
             self._gpu_decoder = GpuJpegDecoder(model.spec.preprocess, decode_limits(config))
@@ -334,7 +334,7 @@ class InferenceStage:
     async def _decode_jpegs(self, batch: Batch) -> Batch:
         """The batch's JPEGs through nvJPEG, in pieces on the decode threads; their crops
         join the host crops (on the GPU when the engine is there)."""
-        from serve_app.gpu_decode import with_host_crops
+        from engines.gpu_decode import with_host_crops
 
         start = time.perf_counter()
         loop = asyncio.get_running_loop()

@@ -24,6 +24,7 @@ import struct
 import grpc
 import numpy as np
 
+from engines.scores import DEFAULT_TOP_K
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from serve_app.answers import OIP_IMAGES as INPUT
@@ -31,9 +32,9 @@ from serve_app.answers import OIP_LABELS as LABELS
 from serve_app.answers import OIP_PIXELS as PIXELS
 from serve_app.answers import OIP_SCORES as SCORES
 from serve_app.core import ServingCore
-from serve_app.errors import InvalidArgument, RaystreamError, clip, code_for, message_for
+from serve_app.errors import InvalidArgument, RaystreamError, clip, code_for, code_name, message_for
 from serve_app.messages import Answer, Job, OipOutput
-from serve_app.preprocessing import client_pixels
+from serve_app.pixels import client_pixels
 from serve_app.streams import StreamRunner, start_task
 from serve_app.v1 import budget_s
 
@@ -98,16 +99,12 @@ def _outputs(request: oip.ModelInferRequest) -> tuple[OipOutput, ...]:
         if output.name == SCORES and not k:
             outputs.append(OipOutput(SCORES, 0))
         elif output.name == LABELS or k:
-            outputs.append(OipOutput(output.name, k or 5))
+            outputs.append(OipOutput(output.name, k or DEFAULT_TOP_K))
         else:
             raise InvalidArgument(
                 f"unknown output {clip(output.name)!r}; outputs: {SCORES}, {LABELS}"
             )
     return tuple(outputs)
-
-
-def _status(code: int) -> grpc.StatusCode:
-    return next(s for s in grpc.StatusCode if s.value[0] == code)
 
 
 class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
@@ -160,7 +157,7 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         answer = await self._infer(request, context, "unary")
         if answer.code:
-            await context.abort(_status(answer.code), answer.message)
+            await context.abort(grpc.StatusCode[code_name(answer.code)], answer.message)
         return oip.ModelInferResponse.FromString(answer.payload)
 
     async def ModelStreamInfer(self, request_iterator, context):
@@ -176,7 +173,7 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
                 )
             if result.code:
                 return oip.ModelStreamInferResponse(
-                    error_message=f"{_status(result.code).name}: {result.message}",
+                    error_message=f"{code_name(result.code)}: {result.message}",
                     infer_response=oip.ModelInferResponse(id=self._core.bounded_id(request.id)),
                 )
             return oip.ModelStreamInferResponse(
@@ -218,7 +215,7 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
         try:
             core.check_model(request.name, request.version)
         except RaystreamError as exc:
-            await context.abort(_status(int(exc.code)), str(exc))
+            await context.abort(grpc.StatusCode[code_name(exc.code)], str(exc))
         tensor = oip.ModelMetadataResponse.TensorMetadata
         engine = core.engine
         return oip.ModelMetadataResponse(

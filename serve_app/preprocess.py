@@ -1,7 +1,7 @@
 """The preprocess stage: every job's encoded images decoded to crops for the engine, in the
 fair decode pool (serve_app/decode_pool.py); a bad image fails alone. With `decode: gpu` it
 only checks the headers of the JPEGs nvJPEG can take and leaves them encoded for the inference
-stage's GPU decoder (serve_app/gpu_decode.py). Plain code: the Preprocess deployment hosts it,
+stage's GPU decoder (engines/gpu_decode.py). Plain code: the Preprocess deployment hosts it,
 or the Inference deployment or the ingress where the topology fuses them.
 """
 
@@ -12,11 +12,12 @@ import time
 
 import numpy as np
 
+from engines import images as preprocessing
+from engines.images import InvalidImage
 from engines.repository import ModelRef, PreprocessSpec, resolve
-from serve_app import preprocessing
 from serve_app.config import AppConfig
 from serve_app.decode_pool import DecodePool
-from serve_app.errors import Code, InvalidImage, code_for, message_for
+from serve_app.errors import Code, code_for, message_for
 from serve_app.messages import NO_OWNERS, Batch, Failure, StageTiming
 
 _GPU = "gpu"  # marks an image left encoded for the GPU decoder

@@ -17,7 +17,7 @@ from raystream.v1 import classifier_pb2 as pb
 from serve_app.core import ServingCore
 from serve_app.errors import DuplicateRequest, InvalidArgument, RaystreamError, clip
 from serve_app.messages import Answer, Job
-from serve_app.preprocessing import client_pixels
+from serve_app.pixels import client_pixels
 from serve_app.streams import StreamRunner
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ImageClassifier"].full_name

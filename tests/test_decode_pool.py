@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
+from engines.images import InvalidImage
 from serve_app.decode_pool import HEAVY_PIXELS, DecodePool
-from serve_app.errors import InvalidImage
 
 HEAVY = HEAVY_PIXELS + 1
 

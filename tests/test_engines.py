@@ -10,7 +10,7 @@ import torch
 
 from engines import EngineError, create_engine, pick_engine
 from engines.export import EXPORTABLE, check_photos
-from serve_app.postprocessing import softmax
+from engines.scores import softmax
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None

@@ -1,9 +1,11 @@
 """The one table of gRPC status codes."""
 
+import grpc
 from ray.exceptions import ActorDiedError
 from ray.serve.exceptions import BackPressureError, RayServeException
 
-from serve_app.errors import Code, InvalidImage, Overloaded, code_for, message_for
+from engines.images import InvalidImage
+from serve_app.errors import Code, Overloaded, code_for, code_name, message_for
 
 
 def test_error_codes_follow_the_cause_chain() -> None:
@@ -18,6 +20,19 @@ def test_error_codes_follow_the_cause_chain() -> None:
     assert code_for(RuntimeError("boom")) == Code.INTERNAL
 
 
+def test_the_engines_invalid_image_carries_the_code_the_table_gives_it() -> None:
+    # Stages record `InvalidImage.code` directly; the table must agree with it.
+    assert InvalidImage.code == code_for(InvalidImage("x")) == Code.INVALID_ARGUMENT
+
+
+def test_codes_are_grpcs_and_named_as_grpc_names_them() -> None:
+    for code in Code:
+        assert grpc.StatusCode[code.name].value[0] == code
+        assert code_name(int(code)) == code.name
+    assert code_name(99) == "99"
+
+
 def test_messages_are_one_line() -> None:
     assert message_for(InvalidImage("image is empty (0 bytes)")) == "image is empty (0 bytes)"
+    assert message_for(Overloaded("queue is full")) == "queue is full"
     assert message_for(RuntimeError("boom\ntraceback...")) == "RuntimeError: boom"

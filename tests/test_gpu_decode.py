@@ -68,9 +68,8 @@ async def test_gpu_mode_passes_plain_jpegs_on_encoded(model_repository, photos) 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU_DECODE, reason="needs a CUDA GPU and torchvision (nvJPEG)")
 def test_nvjpeg_crops_match_the_cpu_path(model, photos) -> None:
-    from serve_app.errors import InvalidImage
-    from serve_app.gpu_decode import GpuJpegDecoder
-    from serve_app.preprocessing import DecodeLimits, decode
+    from engines.gpu_decode import GpuJpegDecoder
+    from engines.images import DecodeLimits, InvalidImage, decode
 
     spec = model.spec.preprocess
     decoder = GpuJpegDecoder(spec, DecodeLimits())
@@ -97,8 +96,8 @@ def test_crops_of_mixed_sizes_in_one_batch_equal_one_at_a_time(model, photos) ->
     """The GPU path's resize + crop, run here on CPU tensors: a batch of mixed sizes (same
     sizes resized together) gives each image's crop as alone, and the crops match the CPU
     path's, for shrinking, enlarging (a photo smaller than the crop) and tall images."""
-    from serve_app.gpu_decode import crop_batch
-    from serve_app.preprocessing import decode
+    from engines.gpu_decode import crop_batch
+    from engines.images import decode
 
     rng = np.random.default_rng(0)
     small = encode(rng.integers(0, 256, (100, 150, 3), dtype=np.uint8), "PNG")
@@ -145,9 +144,8 @@ class _PilBatchDecoder:
 
 
 def test_requests_decode_together_and_a_bad_jpeg_fails_alone(model, photos) -> None:
-    from serve_app.errors import InvalidImage
-    from serve_app.gpu_decode import Crops, GpuJpegDecoder
-    from serve_app.preprocessing import DecodeLimits, decode
+    from engines.gpu_decode import Crops, GpuJpegDecoder
+    from engines.images import DecodeLimits, InvalidImage, decode
 
     spec = model.spec.preprocess
     stand_in = _PilBatchDecoder()
@@ -183,7 +181,7 @@ async def test_a_gpu_decode_replica_decodes_a_batch_in_pieces_on_every_thread(
     """decode: gpu through the stages' own code (a stand-in decoder on the CPU): a batch's
     JPEGs decode in pieces of 32 spread over the decode threads, and each request keeps its
     own answers in its own order, the junk bytes failing alone."""
-    from serve_app import gpu_decode
+    from engines import gpu_decode
     from serve_app.inference import DECODE_THREADS
 
     decoder = _PilBatchDecoder()

@@ -96,7 +96,7 @@ async def test_preprocessed_fp32_input_gives_the_same_scores(server, photos, mod
     """A client that preprocesses itself (decode, resize, crop, normalize, NCHW) sends input
     `pixels`; the scores equal those of the encoded-image path."""
     from engines.base import normalize
-    from serve_app.preprocessing import decode
+    from engines.images import decode
 
     spec = model.spec.preprocess
     crops = np.stack([decode(photos[name], spec) for name in ("chelsea", "coffee")])

@@ -3,7 +3,7 @@
 import numpy as np
 from scipy.special import softmax as scipy_softmax
 
-from serve_app.postprocessing import softmax, top_k_softmax
+from engines.scores import softmax, top_k_softmax
 
 
 def test_softmax_matches_scipy() -> None:

@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from engines.base import normalize
+from engines.images import DecodeLimits, InvalidImage, crop_to_input, decode
 from engines.repository import PreprocessSpec
-from serve_app.errors import InvalidImage
-from serve_app.preprocessing import DecodeLimits, crop_to_input, decode, normalize
 
 from conftest import encode
 

@@ -18,9 +18,9 @@ import pytest
 
 from clients.client import Client
 from engines.base import normalize
+from engines.images import decode
+from engines.scores import softmax
 from raystream.v1 import classifier_pb2 as pb
-from serve_app.postprocessing import softmax
-from serve_app.preprocessing import decode
 
 from conftest import ROOT
 

@@ -1,8 +1,12 @@
-"""Softmax and top-k over a batch of logits. Pure numpy: no Ray, no gRPC."""
+"""Softmax and top-k over a batch of logits: what the server answers and what the engines'
+tools check against. Pure numpy: no Ray, no gRPC."""
 
 from __future__ import annotations
 
 import numpy as np
+
+# Labels per image when a request asks for none (top_k 0, either protocol).
+DEFAULT_TOP_K = 5
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:

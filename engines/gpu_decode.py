@@ -2,12 +2,12 @@
 
 PIL on 16 cores caps near 7,000 small photos/s (../shared/FINDINGS.md) while batched nvJPEG
 decodes 35,000/s on the same box. With `decode: gpu`, the CPU stage only parses headers and
-enforces the limits (serve_app/preprocessing.open_checked); JPEGs that `gpu_decodable()`
+enforces the limits (engines/images.open_checked); JPEGs that `gpu_decodable()`
 accepts travel as bytes to the inference replica, which decodes them here. Anything nvJPEG
 rejects is decoded again on the CPU, so its error message is the CPU path's.
 
 Resizing uses bilinear interpolation with antialiasing, as PIL does; results match the CPU
-path to within a few grey levels, not bit for bit (tests/test_gpu_decode.py).
+path to within a few grey levels, not bit for bit (tests/gpu/test_nvjpeg.py).
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ import torch.nn.functional as F
 from PIL import Image
 
 from engines.cuda_graphs import wait_asleep
+from engines.images import DecodeLimits, InvalidImage, decode
 from engines.repository import PreprocessSpec
-from serve_app.errors import InvalidImage
-from serve_app.preprocessing import DecodeLimits, decode
 
 
 @dataclass(frozen=True)
