@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Literal
+import logging
+from typing import Literal, get_args
 
 from engines.base import Engine, EngineError, EngineInfo
 from engines.repository import ModelRef
 
-EngineKind = Literal["auto", "onnxruntime", "torch-cuda", "tensorrt", "echo"]
+logger = logging.getLogger(__name__)
 
-__all__ = ["Engine", "EngineError", "EngineInfo", "EngineKind", "create_engine", "pick_engine"]
+# The one list of engine kinds: `engine.kind` in the config, `create_engine`, the CLI's
+# --engine. echo: no model, fixed logits; for transport benchmarks and tests only.
+EngineKind = Literal["auto", "onnxruntime", "torch-cuda", "tensorrt", "echo"]
+KINDS: tuple[str, ...] = get_args(EngineKind)
+
+__all__ = [
+    "KINDS",
+    "Engine",
+    "EngineError",
+    "EngineInfo",
+    "EngineKind",
+    "create_engine",
+    "pick_engine",
+]
 
 
 def _cuda_available() -> bool:
@@ -22,13 +36,11 @@ def _cuda_available() -> bool:
 
 
 def pick_engine(kind: EngineKind) -> str:
-    """`auto`: TensorRT when importable and a GPU is present, else torch-CUDA on a GPU,
-    else ONNX Runtime on the CPU."""
+    """`auto`: torch-CUDA on a GPU, else ONNX Runtime on the CPU. Never TensorRT, which has
+    never run anywhere (docs/known-limits.md): it runs only when asked for by name."""
     if kind != "auto":
         return kind
-    if _cuda_available():
-        return "tensorrt" if importlib.util.find_spec("tensorrt") is not None else "torch-cuda"
-    return "onnxruntime"
+    return "torch-cuda" if _cuda_available() else "onnxruntime"
 
 
 def create_engine(
@@ -39,7 +51,8 @@ def create_engine(
     precision: str = "fp16",
     **options: object,
 ) -> Engine:
-    """Build the engine `kind` for `model`; raises EngineError saying what to change."""
+    """Build the engine `kind` for `model`, taking batches of up to `max_batch_size` images;
+    raises EngineError saying what to change."""
     chosen = pick_engine(kind)
     if chosen == "echo":  # transport benchmarks only: fixed logits, no model
         from engines.echo import EchoEngine
@@ -49,6 +62,12 @@ def create_engine(
         from engines.onnxruntime import OnnxRuntimeEngine
 
         return OnnxRuntimeEngine(model, max_batch_size=max_batch_size, **options)
+    if chosen == "tensorrt":
+        logger.warning(
+            "engine 'tensorrt' is experimental: it has never run on any machine (the "
+            "tensorrt package was not installable where raystream was tested); prefer "
+            "torch-cuda"
+        )
     if chosen in ("torch-cuda", "tensorrt") and not _cuda_available():
         raise EngineError(
             f"engine {chosen!r} needs a CUDA GPU and none is visible to this "
@@ -65,4 +84,4 @@ def create_engine(
         from engines.tensorrt import TensorRTEngine
 
         return TensorRTEngine(model, max_batch_size=max_batch_size, precision=precision, **options)
-    raise EngineError(f"unknown engine {kind!r}; choose auto, onnxruntime, torch-cuda or tensorrt")
+    raise EngineError(f"unknown engine {kind!r}; choose one of {', '.join(KINDS)}")

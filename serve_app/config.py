@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engines import EngineKind
+
 STAGES = ("preprocess", "inference", "postprocess")
 Stage = Literal["preprocess", "inference", "postprocess"]
 
@@ -20,10 +22,23 @@ class _Strict(BaseModel):
 
 
 class EngineConfig(_Strict):
-    # echo: no model, fixed logits; for transport benchmarks and tests only.
-    kind: Literal["auto", "onnxruntime", "torch-cuda", "tensorrt", "echo"] = "auto"
+    """The engine, built once per inference replica (changing it restarts the replicas)."""
+
+    # auto: torch-cuda on a GPU, else onnxruntime (never tensorrt: experimental, by name
+    # only). echo: no model, fixed logits; for transport benchmarks and tests only.
+    kind: EngineKind = "auto"
     precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp16"  # GPU engines only
-    max_batch_size: int = Field(64, ge=1, le=4096)  # largest batch the engine accepts
+    max_batch_size: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description=(
+            "The engine's capacity: the largest batch it accepts, fixed when the replica "
+            "starts (GPU engines capture CUDA graphs for batch buckets up to it). Not the "
+            "batch size the batcher aims for: that is the batching user_config's "
+            "max_batch_size, at most this."
+        ),
+    )
     options: dict[str, object] = Field(default_factory=dict)  # engine-specific keywords
 
 
@@ -113,7 +128,16 @@ class AppConfig(_Strict):
 class BatchingConfig(_Strict):
     """The inference deployment's `user_config`: changed at run time without a restart."""
 
-    max_batch_size: int = Field(32, ge=1)  # images per engine batch
+    max_batch_size: int = Field(
+        32,
+        ge=1,
+        description=(
+            "The batcher's limit: at most this many images go into one engine batch, and "
+            "larger requests are cut into pieces of this size. At most the engine's "
+            "capacity, engine.max_batch_size in the application args (a user_config over it "
+            "is refused and the settings in force stay)."
+        ),
+    )
     # 0: a batch starts as soon as the engine is free and takes everything queued meanwhile
     # (under load batches fill by themselves; at low load nothing waits).
     batch_wait_timeout_s: float = Field(0.0, ge=0.0, le=10.0)
@@ -128,9 +152,9 @@ class BatchingConfig(_Strict):
     # batch_wait_timeout_s, as the longest that keeps the p99 of queue + engine time in the
     # replica under this many ms (serve_app/batching.py, AdaptiveWait).
     target_p99_ms: float = Field(0.0, ge=0.0)
-    # decode: gpu: batched nvJPEG calls a replica makes at once (serve_app/inference.py
-    # DECODE_BATCHES). torchvision runs one call at a time per process, so more calls overlap
-    # only the resize and copies; fewer merge more waiting requests into each call.
+    # Unused: the inference stage's nvJPEG threads are fixed (serve_app/inference.py
+    # DECODE_THREADS). Kept only because deploy/serve_config.gpu-direct.yaml sets it and
+    # this model forbids unknown keys; remove the two together.
     decode_concurrency: int = Field(4, ge=1, le=4)
 
     @model_validator(mode="after")

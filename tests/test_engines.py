@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
+from typing import get_args
 
 import numpy as np
 import pytest
 import torch
 
-from engines import EngineError, create_engine, pick_engine
+import engines
+from engines import KINDS, EngineError, create_engine, pick_engine
 from engines.export import EXPORTABLE, check_photos
 from engines.scores import softmax
 
@@ -97,6 +100,45 @@ def test_selection_on_a_cpu_machine(model) -> None:
     assert pick_engine("auto") == "onnxruntime"
     with pytest.raises(EngineError, match="needs a CUDA GPU"):
         create_engine("torch-cuda", model)
+
+
+def test_auto_picks_torch_cuda_on_a_gpu_even_where_tensorrt_imports(monkeypatch) -> None:
+    """TensorRT has never run anywhere: `auto` never picks it, only a config that names it."""
+    monkeypatch.setattr(engines, "_cuda_available", lambda: True)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: object() if name == "tensorrt" else real_find_spec(name, *args),
+    )
+    assert pick_engine("auto") == "torch-cuda"
+    assert pick_engine("tensorrt") == "tensorrt"
+    monkeypatch.setattr(engines, "_cuda_available", lambda: False)
+    assert pick_engine("auto") == "onnxruntime"
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="stops at the missing GPU before building anything")
+def test_asking_for_tensorrt_warns_that_it_is_experimental(model) -> None:
+    warnings: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warnings.append
+    engines.logger.addHandler(handler)
+    try:
+        with pytest.raises(EngineError, match="needs a CUDA GPU"):
+            create_engine("tensorrt", model)
+        create_engine("onnxruntime", model).close()
+    finally:
+        engines.logger.removeHandler(handler)
+    assert len(warnings) == 1 and "experimental" in warnings[0].getMessage()
+
+
+def test_engine_kinds_are_one_list() -> None:
+    from serve_app.config import EngineConfig
+
+    assert KINDS == ("auto", "onnxruntime", "torch-cuda", "tensorrt", "echo")
+    assert get_args(EngineConfig.model_fields["kind"].annotation) == KINDS
+    with pytest.raises(EngineError, match="choose one of auto, onnxruntime"):
+        create_engine("tensorflow", None)
 
 
 _PRIMARY_CONTEXT_FLAGS = """
