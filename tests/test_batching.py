@@ -62,9 +62,10 @@ async def test_requests_past_their_deadline_never_reach_the_engine() -> None:
     batcher = DynamicBatcher(engine.run, len, max_batch_size=10)
     first = asyncio.create_task(batcher.submit([1]))
     await engine.started.wait()
-    expired = asyncio.create_task(batcher.submit([7, 7], deadline=time.time() + 0.01))
+    # Its deadline is reached while it waits for the busy engine (no sleep needed: now).
+    expired = asyncio.create_task(batcher.submit([7, 7], deadline=time.time()))
     kept = asyncio.create_task(batcher.submit([5], deadline=time.time() + 60))
-    await asyncio.sleep(0.05)  # the first deadline passes while the engine is busy
+    await asyncio.sleep(0)  # both queued
     engine.gate.set()
     with pytest.raises(DeadlineExceeded, match="batch queue"):
         await expired
@@ -105,13 +106,37 @@ async def test_an_engine_error_fails_its_batch_only() -> None:
     await batcher.close()
 
 
+async def _loop_turns(count: int = 20) -> None:
+    """Let every ready task run `count` times: far more than a free worker needs to take a
+    queued request to the engine (one or two)."""
+    for _ in range(count):
+        await asyncio.sleep(0)
+
+
 async def test_max_delay_waits_for_company() -> None:
     engine = GatedEngine()
     engine.gate.set()
     batcher = DynamicBatcher(engine.run, len, max_batch_size=4, max_delay_s=5.0)
-    tasks = [asyncio.create_task(batcher.submit([1, 1])) for _ in range(2)]
-    await asyncio.gather(*tasks)  # the batch filled (4 images) long before the delay
+    first = asyncio.create_task(batcher.submit([1, 1]))
+    await _loop_turns()
+    assert not engine.started.is_set()  # the engine is free, yet the lone request waits
+    second = asyncio.create_task(batcher.submit([1, 1]))
+    # The batch is full (4 images): it runs at once, long before the 5 s delay.
+    await asyncio.wait_for(asyncio.gather(first, second), timeout=2.0)
     assert engine.batches == [[2, 2]]
+    await batcher.close()
+
+
+async def test_without_max_delay_a_lone_request_runs_at_once() -> None:
+    engine = GatedEngine()
+    engine.gate.set()
+    batcher = DynamicBatcher(engine.run, len, max_batch_size=4)
+    first = asyncio.create_task(batcher.submit([1, 1]))
+    await _loop_turns()
+    assert engine.started.is_set()  # (what the test above would see if the delay were lost)
+    second = asyncio.create_task(batcher.submit([1, 1]))
+    await asyncio.gather(first, second)
+    assert engine.batches == [[2], [2]]
     await batcher.close()
 
 

@@ -1,6 +1,7 @@
-"""Deadlines, cancellation and the message-size limit, against a real server whose engine is
-slow on purpose (the echo engine with `delay_ms`: these tests are about transport, and a
-slow engine makes "still queued when the deadline passed" certain rather than likely)."""
+"""Deadlines, cancellation, duplicate request ids and the message-size limit, against a real
+server whose engine is slow on purpose (the echo engine with `delay_ms`: these tests are about
+transport, and a slow engine makes "still queued when the deadline passed" and "still in
+flight when the duplicate came" certain rather than likely)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ async def _images_inferred() -> int:
 
 
 async def _paced(requests: list[pb.ClassifyRequest], gap_s: float):
+    """Each request `gap_s` after the one before: after the warm-up, 50 ms is enough for a
+    request to reach the engine before the next arrives. Nothing outside the replica shows
+    that it did, so the tests check it: the first request ran alone (batch_size 1)."""
     for request in requests:
         yield request
         await asyncio.sleep(gap_s)
@@ -75,6 +79,7 @@ async def test_a_request_past_its_timeout_is_answered_on_time_and_never_runs(
     assert late.timing.total_ms < ENGINE_DELAY_MS  # answered at its deadline, not after
     assert responses[0].request_id == "late"  # before the request that held the engine
     assert by_id["busy"].error.code == 0 and by_id["patient"].error.code == 0
+    assert by_id["busy"].timing.batch_size == 1  # "late" did not share its engine batch
     # The engine ran "busy" and "patient" (one image each), never the 3 images of "late".
     assert await _images_inferred() - before == 2
 
@@ -84,15 +89,47 @@ async def test_a_unary_grpc_deadline_drops_the_work_before_the_engine(slow_serve
     before = await _images_inferred()
     async with Client(slow_server) as client:
         busy = asyncio.create_task(client.classify_once([image]))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # "busy" reaches the engine first (see _paced)
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await client.stub.ClassifyOnce(
                 pb.ClassifyRequest(request_id="x", images=[image] * 4), timeout=0.1
             )
         assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert (await busy).error.code == 0
-        await asyncio.sleep(ENGINE_DELAY_MS / 1000 * 2)  # the engine is free again
-    assert await _images_inferred() - before == 1
+        busy = await busy
+        assert busy.error.code == 0 and busy.timing.batch_size == 1
+        # Had "x" been kept, it would run before anything sent now: once this answer is
+        # back, the count includes it.
+        assert (await client.classify_once([image])).error.code == 0
+    assert await _images_inferred() - before == 2  # "busy" and the last one, never "x"
+
+
+async def test_a_duplicate_request_id_in_flight_is_refused_and_free_again_once_answered(
+    slow_server, photos
+) -> None:
+    """The duplicate goes right behind the first, which the engine holds 400 ms: it arrives
+    while the first is in flight. A third with the same id goes once the first is answered."""
+    image = photos["coffee"]  # one a request: the limit here is 256 KiB a message
+    first_answered = asyncio.Event()
+
+    async def requests():
+        yield pb.ClassifyRequest(request_id="same", images=[image])
+        yield pb.ClassifyRequest(request_id="same", images=[image])
+        await first_answered.wait()
+        yield pb.ClassifyRequest(request_id="same", images=[image])
+
+    responses = []
+    async with Client(slow_server) as client:
+        async for response in client.stream(requests()):
+            responses.append(response)
+            if response.error.code == 0:  # the first: the third is not sent before this
+                first_answered.set()
+    assert [r.error.code for r in responses] == [
+        grpc.StatusCode.ALREADY_EXISTS.value[0],  # refused at once, ahead of the first
+        0,
+        0,
+    ]
+    assert "'same' is already in flight" in responses[0].error.message
+    assert not responses[0].results and len(responses[2].results) == 1
 
 
 async def test_a_message_over_the_size_limit_ends_its_stream_with_resource_exhausted(

@@ -5,12 +5,39 @@ from __future__ import annotations
 from serve_app.metrics import IngressMetrics
 
 
-def test_flush_hands_ray_only_positive_increments() -> None:
-    # Outside a Ray worker the metrics are discarded, but Ray still validates each call:
-    # a stage that took 0 ms (no decode for pixels) once made flush() raise every second.
+def test_flush_hands_ray_only_positive_increments(monkeypatch) -> None:
+    # Ray refuses an increment of 0: a stage that took 0 ms (no decode for pixels) once made
+    # flush() raise every second. Each counter call is recorded here, then handed to Ray's
+    # own inc (which validates it; outside a Ray worker the value is then discarded).
     metrics = IngressMetrics()
+    handed: list[tuple[str, float, dict[str, str]]] = []
+    for name in ("requests", "images", "rejected", "stages"):
+        counter = getattr(metrics, name)
+
+        def inc(value, tags=None, _name=name, _real=counter.inc) -> None:
+            handed.append((_name, value, tags))
+            _real(value, tags=tags)
+
+        monkeypatch.setattr(counter, "inc", inc)
     stages = {"queue": 0.0, "preprocess": 0.0, "compute": 1.5, "postprocess": 0.2}
     metrics.record("OK", {"OK": 7, "INVALID_ARGUMENT": 1}, 3.0, stages)
+    metrics.record("OK", {"OK": 2}, 2.0, {"compute": 0.5})
     metrics.record("RESOURCE_EXHAUSTED", {}, 0.1, {})
+    assert handed == []  # gathered, not handed over one by one
     metrics.flush()
-    metrics.flush()  # nothing gathered: nothing to hand over
+    assert all(value > 0 for _, value, _ in handed)
+    assert sorted(handed, key=repr) == sorted(
+        [
+            ("requests", 2, {"code": "OK"}),
+            ("requests", 1, {"code": "RESOURCE_EXHAUSTED"}),
+            ("rejected", 1, {"code": "RESOURCE_EXHAUSTED"}),  # refused before running
+            ("images", 9, {"code": "OK"}),
+            ("images", 1, {"code": "INVALID_ARGUMENT"}),
+            ("stages", 2.0, {"stage": "compute"}),
+            ("stages", 0.2, {"stage": "postprocess"}),  # no queue or preprocess: 0 ms
+        ],
+        key=repr,
+    )
+    handed.clear()
+    metrics.flush()
+    assert handed == []  # nothing gathered: nothing to hand over
