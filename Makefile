@@ -15,9 +15,10 @@ TRITON_STAMP := $(TRITON_VENV)/.installed-stamp
 
 # A venv with the pinned project; redone when pyproject.toml changes.
 $(STAMP): pyproject.toml
+	@echo "Installing raystream and its pinned dependencies into $(VENV): a couple of minutes on a fresh machine"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install --progress-bar on -e '.[dev]'
 	touch $@
 
 setup: $(STAMP)
