@@ -1,12 +1,22 @@
 """`raystream`: serve, classify, export, info. Expected failures print one line, no traceback."""
 
+# ruff: noqa: E402  (GRPC_VERBOSITY is set before grpc is first imported)
 from __future__ import annotations
+
+import os
+
+# grpc's C core logs each failed TLS handshake on stderr (at INFO), ahead of the one line
+# that says what failed. It reads GRPC_VERBOSITY once, when first imported. `raystream
+# serve` hands the server the setting as it was (serve_command._restore_grpc_verbosity).
+INHERITED_GRPC_VERBOSITY = os.environ.get("GRPC_VERBOSITY")
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import argparse
 import asyncio
 import json
 import logging
-import os
+import math
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -26,6 +36,81 @@ DEFAULT_CONFIG = Path("deploy/serve_config.yaml")
 
 class CliError(Exception):
     """An expected failure: printed as one line, exit code 2."""
+
+
+# -- numeric flags -------------------------------------------------------------------------
+# Each numeric flag parses through one of these: a value out of range is a usage error (one
+# line, exit code 2), not a traceback from deep inside the client, and not a silent no-op.
+
+MAX_COUNT = 2**31 - 1  # past this, counts overflow protobuf, islice or the OS
+MAX_SECONDS = 1e6  # ~11 days; gRPC turns much longer deadlines into immediate expiry
+
+
+def count(minimum: int = 1, maximum: int = MAX_COUNT):
+    """An argparse `type`: an integer in minimum..maximum."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
+        return value
+
+    return parse
+
+
+def port(text: str) -> int:
+    """An argparse `type`: a TCP port, 0 (any free port) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """An argparse `type`: a positive, finite number of seconds (at most MAX_SECONDS)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds above 0 and at most {MAX_SECONDS:.0f}, got {text}"
+        )
+    return value
+
+
+def rate(text: str) -> float:
+    """An argparse `type`: a positive, finite rate (per second)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text}")
+    return value
+
+
+def sweep(text: str) -> list[float]:
+    """An argparse `type` for bench --sweep: comma-separated positive numbers."""
+    values = [rate(item.strip()) for item in text.split(",") if item.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+    return values
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors in one line, as the CLI's other expected failures (exit code 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 # -- classify ------------------------------------------------------------------------------
@@ -139,6 +224,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from clients import loadgen
 
+    streams = [args.streams] if args.rate or not args.sweep else args.sweep
+    if any(n != int(n) for n in streams):
+        raise CliError(f"--sweep: stream counts must be whole numbers, got {streams}")
+    if min(streams) < args.processes:
+        raise CliError(f"--processes {args.processes} needs at least as many --streams")
     images = loadgen.folder_images(args.images) if args.images else loadgen.builtin_photos()
     base = loadgen.Workload(
         images=images,
@@ -155,9 +245,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         pixels=loadgen.model_input(args.repository, args.model, images) if args.pixels else None,
     )
     if args.sweep:
-        values = [float(v) for v in args.sweep.split(",")]
         field = "rate" if args.rate else "streams"
-        loads = [replace(base, **{field: v if field == "rate" else int(v)}) for v in values]
+        loads = [replace(base, **{field: v if field == "rate" else int(v)}) for v in args.sweep]
     else:
         loads = [base]
 
@@ -249,7 +338,7 @@ def _add_connection_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="raystream", description="gRPC streaming image classification on Ray Serve."
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -263,10 +352,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_config_options(p)
     p.add_argument(
         "--ready-timeout",
-        type=float,
+        type=seconds,
         default=900.0,
         help="give up (and stop) if not serving after this many seconds",
     )
+    p.add_argument(
+        "--expose-metrics",
+        metavar="[HOST:]PORT",
+        help="also serve Ray's Prometheus metrics (every raystream metric; no "
+        "authentication) at http://HOST:PORT/metrics for a Prometheus on another machine; "
+        "HOST defaults to 0.0.0.0, every interface (default: $RAYSTREAM_EXPOSE_METRICS, "
+        "else off: the local Ray and its metrics listen on 127.0.0.1 only)",
+    )
+    p.add_argument(
+        "--probe-tls-cert",
+        help="with security.tls_client_ca: a client certificate (PEM) that the readiness "
+        "probe presents (without one, readiness is not probed)",
+    )
+    p.add_argument("--probe-tls-key", help="the private key (PEM) of --probe-tls-cert")
     p.set_defaults(func=serve_command.cmd_serve)
 
     p = sub.add_parser(
@@ -287,6 +390,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the Ray cluster (raystream serve's ready line names it; default: this "
         "machine's latest)",
     )
+    p.add_argument(
+        "--timeout",
+        type=seconds,
+        default=120.0,
+        help="give up if the application is not running again after this many seconds "
+        "(default %(default)s)",
+    )
     p.set_defaults(func=serve_command.cmd_reconfigure)
 
     p = sub.add_parser(
@@ -297,13 +407,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("paths", nargs="+", help="image files or folders")
     p.add_argument("--server", default=DEFAULT_SERVER, help="host:port (default %(default)s)")
-    p.add_argument("--top-k", type=int, default=5, help="labels per image (default 5)")
-    p.add_argument("--batch-size", type=int, default=16, help="images per request")
+    p.add_argument("--top-k", type=count(), default=5, help="labels per image (default 5)")
+    p.add_argument("--batch-size", type=count(), default=16, help="images per request")
     p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
-    p.add_argument("--timeout", type=float, default=None, help="stream deadline in seconds")
+    p.add_argument("--timeout", type=seconds, default=None, help="stream deadline in seconds")
     p.add_argument(
         "--connections",
-        type=int,
+        type=count(),
         default=1,
         help="spread the stream over up to this many connections, each on another ingress "
         "replica (topology direct with several replicas)",
@@ -314,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="show the served model (GetModelInfo)")
     p.add_argument("--server", default=DEFAULT_SERVER, help="host:port (default %(default)s)")
     p.add_argument("--model", default="", help="model name to ask about")
-    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--timeout", type=seconds, default=10.0, help="seconds (default 10)")
     _add_connection_options(p)
     p.set_defaults(func=cmd_info)
 
@@ -346,12 +456,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--server", default=DEFAULT_SERVER)
     p.add_argument("--images", type=Path, help="folder of images (default: built-in photos)")
-    p.add_argument("--batch-size", type=int, default=8, help="images per request")
-    p.add_argument("--streams", type=int, default=1, help="concurrent streams")
-    p.add_argument("--in-flight", type=int, default=1, help="closed loop: requests per stream")
-    p.add_argument("--rate", type=float, help="open loop: requests/s over all streams")
-    p.add_argument("--duration", type=float, default=10.0, help="seconds per load")
-    p.add_argument("--requests", type=int, help="stop each stream after this many requests")
+    p.add_argument("--batch-size", type=count(), default=8, help="images per request")
+    p.add_argument("--streams", type=count(), default=1, help="concurrent streams")
+    p.add_argument("--in-flight", type=count(), default=1, help="closed loop: requests per stream")
+    p.add_argument("--rate", type=rate, help="open loop: requests/s over all streams")
+    p.add_argument("--duration", type=seconds, default=10.0, help="seconds per load")
+    p.add_argument("--requests", type=count(), help="stop each stream after this many requests")
     p.add_argument("--unary", action="store_true", help="ClassifyOnce calls instead of streams")
     p.add_argument(
         "--pixels",
@@ -361,7 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--connections",
-        type=int,
+        type=count(),
         default=1,
         help="spread the streams over this many TCP connections (several ingress replicas)",
     )
@@ -373,13 +483,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--processes",
-        type=int,
+        type=count(),
         default=1,
         help="split the streams over this many load-generator processes (one Python "
         "process tops out at a few thousand images/s)",
     )
-    p.add_argument("--top-k", type=int, default=5)
-    p.add_argument("--sweep", help="comma-separated stream counts (or rates with --rate)")
+    p.add_argument("--top-k", type=count(), default=5, help="labels per image (default 5)")
+    p.add_argument(
+        "--sweep", type=sweep, help="comma-separated stream counts (or rates with --rate)"
+    )
     p.add_argument("--out", type=Path, help="write bench.json (and sweep.png) here")
     p.add_argument(
         "--baseline",
@@ -389,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repository", type=Path, default=Path("models"))
     p.add_argument("--model", default="efficientnet-lite0")
     p.add_argument("--engine", default="auto", help="engine for --baseline")
-    p.add_argument("--threads", type=int, default=2, help="decode threads for --baseline")
+    p.add_argument("--threads", type=count(1, 64), default=2, help="decode threads for --baseline")
     _add_connection_options(p)
     p.set_defaults(func=cmd_bench)
 
@@ -403,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="efficientnet-lite0")
     p.add_argument("--version", default="")
     p.add_argument("--precision", choices=["fp32", "fp16", "bf16", "int8"], default="fp16")
-    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--max-batch-size", type=count(1, 4096), default=64, help="1 to 4096")
     p.add_argument("--calibration-dir", help="INT8: folder of representative images")
     p.set_defaults(func=cmd_build_engine)
     return parser
@@ -412,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_serve_config_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="Serve config YAML")
     p.add_argument("--host", help="bind address (default from config: 127.0.0.1)")
-    p.add_argument("--port", type=int, help="gRPC port (default from config: 9000)")
+    p.add_argument("--port", type=port, help="gRPC port (default from config: 9000)")
     p.add_argument("--engine", choices=["auto", "onnxruntime", "torch-cuda", "tensorrt", "echo"])
     p.add_argument("--model-repository", help="model repository directory")
     p.add_argument(
@@ -433,16 +545,70 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"raystream: {exc}", file=sys.stderr)
         return 2
     except grpc.aio.AioRpcError as exc:
-        server = getattr(args, "server", "")
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            print(
-                f"raystream: cannot reach the server at {server} ({exc.details()}); is it "
-                f"running? Start it with `make serve`.",
-                file=sys.stderr,
-            )
+            print(f"raystream: {_unavailable(args, exc.details() or '')}", file=sys.stderr)
         else:
             print(f"raystream: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 2
+
+
+# grpc's details when the TLS handshake fails: a TLS client meeting a plaintext server
+# (WRONG_VERSION_NUMBER), a certificate that does not verify or name the host, ...
+_HANDSHAKE_FAILED = re.compile(r"(Ssl|Tls) handshake failed|SSL_ERROR|WRONG_VERSION_NUMBER", re.I)
+
+
+def _unavailable(args: argparse.Namespace, details: str) -> str:
+    """The line for a server that could not be reached: down, or speaking TLS to a
+    plaintext client (grpc says only "Socket closed"), or the other way round."""
+    server = getattr(args, "server", "")
+    tls = bool(getattr(args, "tls_ca", None) or getattr(args, "tls_cert", None))
+    if tls and _HANDSHAKE_FAILED.search(details):
+        if "WRONG_VERSION_NUMBER" in details:
+            return (
+                f"the TLS handshake with {server} failed ({details}); the server may not use "
+                f"TLS: connect without --tls-ca/--tls-cert/--tls-key"
+            )
+        return (
+            f"the TLS handshake with {server} failed ({details}); check --tls-ca (the CA that "
+            f"signed the server's certificate) and, if the server requires client "
+            f"certificates, --tls-cert and --tls-key"
+        )
+    if not tls and "Connection refused" not in details and _speaks_tls(server):
+        return (
+            f"the server at {server} closed the connection ({details}); it expects TLS: pass "
+            f"--tls-ca CA.pem (the server's certificate, or the CA that signed it), and "
+            f"--tls-cert/--tls-key if it requires client certificates"
+        )
+    return (
+        f"cannot reach the server at {server} ({details}); is it running? Start it with "
+        f"`make serve`."
+    )
+
+
+def _speaks_tls(server: str, timeout: float = 3.0) -> bool:
+    """Whether something at host:port answers a TLS ClientHello (certificates unchecked:
+    this only tells a TLS server from a plaintext one)."""
+    import socket
+    import ssl
+
+    host, _, port = server.rpartition(":")
+    if not port.isdigit():
+        return False
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        with (
+            socket.create_connection((host, int(port)), timeout) as plain,
+            context.wrap_socket(plain, server_hostname=host),
+        ):
+            return True  # a ServerHello came back
+    except ssl.SSLError as exc:
+        # a TLS server that wants a client certificate may refuse in the handshake
+        return "CERTIFICATE" in str(exc).upper()
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

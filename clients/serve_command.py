@@ -1,9 +1,12 @@
 """`raystream serve`: validate the Serve config, run `serve run` on it in the foreground,
-and say when the server is serving: the gRPC health service answers SERVING and Serve
-reports the application RUNNING (every replica up, not only the first to answer).
+and say when the server is serving: the gRPC health service answers SERVING (over TLS where
+the server uses it) and Serve reports the application RUNNING (every replica up, not only
+the first to answer). The local Ray that `serve run` starts listens on 127.0.0.1 only
+(clients/local_ray.py); --expose-metrics serves Ray's Prometheus metrics beyond it.
 
 `raystream reconfigure`: change the running application's batching `user_config` without a
-restart, the way `serve deploy` applies an edited config."""
+restart, the way `serve deploy` applies an edited config; a change the replicas would refuse
+is refused before anything reaches the cluster."""
 
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+
+from clients import local_ray
 
 
 class ConfigError(Exception):
@@ -67,6 +72,9 @@ def _serve_config(path: Path, overrides: dict) -> tuple[dict, object]:
                     gpus /= 1 + d.get("max_surge_percent", 0) / 100
                     d.setdefault("ray_actor_options", {}).setdefault("num_gpus", gpus)
     app["deployments"] = deployments
+    # No access-log line per handle call (Serve's default) unless the config asks for one:
+    # the ingress logs requests itself (log_sample_rate, failures).
+    app.setdefault("logging_config", {}).setdefault("enable_access_log", False)
     try:
         validated = AppConfig.model_validate(app["args"])
     except ValueError as exc:
@@ -117,9 +125,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         resolve(app.model_repository, app.model, app.model_version)
     except ModelNotFoundError as exc:
         raise ConfigError(str(exc)) from None
+    batching = "Ingress" if app.topology == "direct" else "Inference"
+    for deployment in config["applications"][0]["deployments"]:
+        if deployment.get("name") == batching:
+            problem = _batching_problem(
+                deployment.get("user_config") or {}, app.engine.max_batch_size, args.config
+            )
+            if problem is not None:
+                raise ConfigError(f"invalid {batching} user_config in {args.config}: {problem}")
     _check_port_free(app.host, app.port)
+    probe = _Probe(app, args)
+    metrics = _metrics_forwarder(args)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(config, f)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its log lines as they happen
+    _restore_grpc_verbosity(env)
+    if not os.environ.get("RAY_ADDRESS"):  # a local Ray that `serve run` starts: loopback only
+        env.update(local_ray.loopback_env())
     # The Serve CLI through this interpreter: works in a venv and on machines where the
     # `serve` console script is not on PATH.
     child = subprocess.Popen(
@@ -131,7 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stderr=subprocess.STDOUT,
         text=True,
         errors="replace",
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},  # its log lines as they happen
+        env=env,
     )
     fatal = _FatalErrorWatch(child.stdout)
     # A shell starts a background job with SIGINT ignored, and Python leaves it ignored:
@@ -143,84 +165,240 @@ def cmd_serve(args: argparse.Namespace) -> int:
     address = f"{app.host}:{app.port}"
     started = time.monotonic()
 
-    async def wait_ready() -> bool:
-        """Poll the health service (open even with token auth) until SERVING."""
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
+    def alive() -> bool:
+        return child.poll() is None and fatal.error is None
 
-        deadline = asyncio.get_running_loop().time() + args.ready_timeout
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while (
-                child.poll() is None
-                and fatal.error is None
-                and asyncio.get_running_loop().time() < deadline
-            ):
-                try:
-                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return True
-                except grpc.aio.AioRpcError:
-                    pass
-                await asyncio.sleep(0.5)
-        return False
+    def stop(status: int) -> int:
+        child.send_signal(signal.SIGINT)
+        child.wait()
+        return status
 
+    running = cluster = None
     try:
-        if app.security.tls_cert is not None:
-            print(f"raystream starting with TLS on {address}; readiness is not probed", flush=True)
-        elif asyncio.run(wait_ready()):
+        if probe.reason is not None:
+            print(
+                f"raystream starting with TLS on {address}; readiness over gRPC is not probed: "
+                f"{probe.reason}",
+                flush=True,
+            )
+            answered = False
+        else:
+            answered = asyncio.run(probe.wait_serving(address, args.ready_timeout, alive))
+            if probe.reason is not None:  # TLS that the probe could not verify
+                print(f"raystream: readiness over gRPC is not probed: {probe.reason}", flush=True)
+        if alive() and (answered or probe.reason is not None):
             # Health answers as soon as one replica listens; with several replicas (or
             # replicas compiling their engines) the rest may still be starting.
-            cluster = _cluster_address(child.pid)
+            cluster = _cluster_address(child.pid, alive, args.ready_timeout)
             running = _wait_running(
                 config["applications"][0]["name"],
                 cluster,
                 args.ready_timeout - (time.monotonic() - started),
-                lambda: child.poll() is None and fatal.error is None,
+                alive,
             )
-            described = asyncio.run(_describe(address, app))
-            if running is None:
-                print(
-                    "raystream: could not ask Serve whether every replica is up; at least one "
-                    "answers",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            else:
-                replicas = ", ".join(f"{name} {n}" for name, n in running.items())
-                described += f"; replicas running: {replicas}; Ray cluster {cluster}"
-            print(f"raystream ready: gRPC on {address}, {described}; Ctrl-C stops", flush=True)
-        elif fatal.error is not None:
+        if fatal.error is not None:
             print(f"raystream: cannot start: {fatal.error}", file=sys.stderr, flush=True)
-            child.send_signal(signal.SIGINT)
-            child.wait()
-            return 1
-        elif child.poll() is None:
+            return stop(1)
+        if child.poll() is not None:
+            return child.wait()
+        if not answered and probe.reason is None:
             print(
                 f"raystream: not ready after {args.ready_timeout:.0f} s; see the Serve log "
                 f"above. Stopping.",
                 file=sys.stderr,
                 flush=True,
             )
-            child.send_signal(signal.SIGINT)
-            child.wait()
-            return 1
+            return stop(1)
+        if not answered and running is None:
+            print(
+                f"raystream: gRPC with TLS on {address} is not probed, and Serve did not say "
+                f"the application is running; see the Serve log above. Ctrl-C stops",
+                file=sys.stderr,
+                flush=True,
+            )
+            return child.wait()
+        if answered:
+            described = asyncio.run(probe.describe(address, app))
+        else:
+            described = f"model {app.model}, engine {app.engine.kind}, topology {app.topology}"
+        if running is None:
+            print(
+                "raystream: could not ask Serve whether every replica is up; at least one answers",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            replicas = ", ".join(f"{name} {n}" for name, n in running["replicas"].items())
+            described += f"; replicas running: {replicas}; Ray cluster {cluster}"
+            if metrics is not None:
+                metrics.upstream = running.get("metrics_export_port")
+        if metrics is not None:
+            described += f"; Ray metrics on http://{metrics.address}/metrics"
+        tls = " (TLS)" if app.security.tls_cert is not None else ""
+        print(f"raystream ready: gRPC{tls} on {address}, {described}; Ctrl-C stops", flush=True)
         return child.wait()
     except KeyboardInterrupt:
         child.send_signal(signal.SIGINT)
         return child.wait()
     except BaseException:
-        child.send_signal(signal.SIGINT)  # never leave a server running behind a failure
-        child.wait()
+        stop(1)  # never leave a server running behind a failure
         raise
     finally:
         os.unlink(f.name)
+        if metrics is not None:
+            metrics.close()
 
 
-def _cluster_address(serve_pid: int) -> str | None:
-    """The GCS address of the Ray instance that `serve run` (process `serve_pid`) started:
-    the --gcs-address flag of its raylet child (Linux /proc). Other Ray instances may run on
-    the machine (a test session's, say), so "auto" could pick the wrong one. RAY_ADDRESS when
-    `serve run` joined an existing cluster; None when neither is found."""
+def _restore_grpc_verbosity(env: dict[str, str]) -> None:
+    """The server logs what grpc logs by default: undo the CLI's quieter setting."""
+    from clients import cli
+
+    env.pop("GRPC_VERBOSITY", None)
+    if cli.INHERITED_GRPC_VERBOSITY is not None:
+        env["GRPC_VERBOSITY"] = cli.INHERITED_GRPC_VERBOSITY
+
+
+def _metrics_forwarder(args: argparse.Namespace) -> local_ray.MetricsForwarder | None:
+    """The opt-in Prometheus endpoint for a scraper elsewhere (--expose-metrics, or
+    RAYSTREAM_EXPOSE_METRICS), bound before anything starts; None when not asked for."""
+    setting = local_ray.expose_metrics_setting(getattr(args, "expose_metrics", None))
+    if setting is None:
+        return None
+    try:
+        host, port = local_ray.parse_listen_address(setting)
+        return local_ray.MetricsForwarder(host, port)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"--expose-metrics {setting}: {exc}") from None
+
+
+class _Probe:
+    """How `raystream serve` asks its server whether it serves: the gRPC health service,
+    over TLS with the server's own certificate as the root (grpc trusts the certificate it
+    is given, self-signed or issued by a CA) and the name the certificate gives. `reason`
+    says why it cannot probe (a server that requires client certificates and none given to
+    probe with, or a certificate that does not verify, e.g. expired); None when it can."""
+
+    def __init__(self, app, args: argparse.Namespace) -> None:
+        security = app.security
+        self.reason: str | None = None
+        self.credentials: grpc.ChannelCredentials | None = None
+        self.options: list[tuple[str, object]] = []
+        self.token_auth = security.auth_token_file is not None
+        if security.tls_cert is None:
+            return
+        cert, key = getattr(args, "probe_tls_cert", None), getattr(args, "probe_tls_key", None)
+        if security.tls_client_ca is not None and not (cert and key):
+            self.reason = (
+                "the server requires client certificates (security.tls_client_ca) and none "
+                "was given to probe with (--probe-tls-cert, --probe-tls-key)"
+            )
+            return
+        try:
+            roots = security.tls_cert.read_bytes()
+            self.credentials = grpc.ssl_channel_credentials(
+                root_certificates=roots,
+                private_key=Path(key).read_bytes() if key else None,
+                certificate_chain=Path(cert).read_bytes() if cert else None,
+            )
+        except OSError as exc:
+            raise ConfigError(f"cannot read a TLS file: {exc}") from None
+        name = _certificate_name(roots)
+        if name is not None:  # the probe dials host:port; the certificate names the server
+            self.options.append(("grpc.ssl_target_name_override", name))
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        if self.credentials is None:
+            return grpc.aio.insecure_channel(address, options=self.options)
+        return grpc.aio.secure_channel(address, self.credentials, options=self.options)
+
+    async def wait_serving(self, address: str, timeout: float, alive: Callable[[], bool]) -> bool:
+        """Poll the health service (open even with token auth) until SERVING: True; False if
+        `alive()` turns false or `timeout` passes; False with `reason` set if the server's
+        TLS certificate cannot be verified (then waiting longer would not help)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = asyncio.get_running_loop().time() + timeout
+        async with self.channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while alive() and asyncio.get_running_loop().time() < deadline:
+                try:
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return True
+                except grpc.aio.AioRpcError as exc:
+                    details = exc.details() or ""
+                    if self.credentials is not None and _UNVERIFIABLE.search(details):
+                        self.reason = f"the server's certificate does not verify: {details}"
+                        return False
+                await asyncio.sleep(0.5)
+        return False
+
+    async def describe(self, address: str, app) -> str:
+        """What is served, from GetModelInfo (open unless token auth is on); from the config
+        where the server cannot be asked."""
+        from raystream.v1 import classifier_pb2 as pb
+        from raystream.v1 import classifier_pb2_grpc as pb_grpc
+
+        fallback = f"model {app.model}, engine {app.engine.kind}, topology {app.topology}"
+        if self.token_auth:
+            return fallback
+        try:
+            async with self.channel(address) as channel:
+                stub = pb_grpc.ImageClassifierStub(channel)
+                info = await stub.GetModelInfo(pb.ModelInfoRequest(), timeout=5.0)
+        except grpc.aio.AioRpcError:
+            return fallback
+        return (
+            f"model {info.name}/{info.version}, engine {info.engine} ({info.precision}), "
+            f"topology {app.topology}"
+        )
+
+
+# grpc's details when the server's certificate does not verify, or does not name the host
+_UNVERIFIABLE = re.compile(r"CERTIFICATE_VERIFY_FAILED|certificate verify failed|Peer name", re.I)
+
+
+def _certificate_name(pem: bytes) -> str | None:
+    """A DNS name the first certificate in `pem` is for (its first DNS subject alternative
+    name, else its common name); None if it names none or `cryptography` is missing."""
+    try:
+        from cryptography import x509
+        from cryptography.x509.oid import NameOID
+
+        cert = x509.load_pem_x509_certificates(pem)[0]
+    except Exception:  # not installed (a dev dependency), or not PEM: no override
+        return None
+    try:
+        names = cert.extensions.get_extension_for_class(
+            x509.SubjectAlternativeName
+        ).value.get_values_for_type(x509.DNSName)
+    except x509.ExtensionNotFound:
+        names = [a.value for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    for name in names:
+        if isinstance(name, str) and name:
+            return "raystream." + name[2:] if name.startswith("*.") else name
+    return None
+
+
+def _cluster_address(serve_pid: int, alive: Callable[[], bool], timeout: float) -> str | None:
+    """The GCS address of the Ray instance that `serve run` (process `serve_pid`) started,
+    once its raylet runs (within `timeout`, while `alive()`). RAY_ADDRESS when `serve run`
+    joined an existing cluster; None when neither is found."""
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    deadline = time.monotonic() + timeout
+    while alive() and time.monotonic() < deadline:
+        address = _raylet_gcs_address(serve_pid)
+        if address is not None:
+            return address
+        time.sleep(0.5)
+    return None
+
+
+def _raylet_gcs_address(serve_pid: int) -> str | None:
+    """The --gcs-address flag of the raylet child of `serve_pid` (Linux /proc). Other Ray
+    instances may run on the machine (a test session's, say), so "auto" could pick the
+    wrong one."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != serve_pid:  # ppid
@@ -231,16 +409,28 @@ def _cluster_address(serve_pid: int) -> str | None:
         for arg in args:
             if arg.startswith(b"--gcs-address="):
                 return arg.split(b"=", 1)[1].decode()
-    return os.environ.get("RAY_ADDRESS") or None
+    return None
+
+
+def _driver_env(address: str | None) -> dict[str, str]:
+    """Environment for a driver joining the Ray cluster at `address`: token auth unless the
+    environment turns it off (a Ray instance started by `serve run` uses it, and a driver
+    given an explicit address assumes no auth unless told), and, for a cluster on loopback,
+    what keeps Ray from rewriting 127.0.0.1 to the machine's address."""
+    env = {"RAY_AUTH_MODE": "token", **os.environ}
+    host = (address or "").rpartition(":")[0].strip("[]")
+    if host in local_ray.LOOPBACK_HOSTS or address in (None, "auto"):
+        env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    return env
 
 
 def _wait_running(
     app_name: str, address: str | None, timeout: float, alive: Callable[[], bool]
-) -> dict[str, int] | None:
-    """Replicas running per deployment once Serve reports `app_name` RUNNING, asked by a
-    helper process that joins the Ray cluster at `address` as a driver (no dashboard
-    needed); None if there is no address, Serve could not be asked, `alive()` turned false,
-    or `timeout` passed first."""
+) -> dict | None:
+    """Once Serve reports `app_name` RUNNING: {"replicas": running per deployment,
+    "metrics_export_port": the metrics agent's port}, asked by a helper process that joins
+    the Ray cluster at `address` as a driver (no dashboard needed); None if there is no
+    address, Serve could not be asked, `alive()` turned false, or `timeout` passed first."""
     if address is None:
         return None
     timeout = max(timeout, 1.0)
@@ -249,21 +439,23 @@ def _wait_running(
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
-        # A Ray instance started by `serve run` uses token auth unless the environment turns
-        # it off; a driver given an explicit address assumes no auth unless told.
-        env={"RAY_AUTH_MODE": "token", **os.environ},
+        env=_driver_env(address),
     )
     give_up = time.monotonic() + timeout + 30.0  # joining the cluster may itself hang
-    while helper.poll() is None:
-        if not alive() or time.monotonic() > give_up:
+    try:
+        while helper.poll() is None:
+            if not alive() or time.monotonic() > give_up:
+                helper.kill()
+            time.sleep(0.2)
+    finally:  # Ctrl-C meanwhile
+        if helper.poll() is None:
             helper.kill()
-        time.sleep(0.2)
     lines = helper.stdout.read().splitlines()
     return json.loads(lines[-1]) if helper.returncode == 0 and lines else None
 
 
 def _report_when_running(app_name: str, address: str, timeout: float) -> int:
-    """The helper of `_wait_running`: prints {deployment: replicas running} as JSON."""
+    """The helper of `_wait_running`: prints its answer as JSON."""
     import ray
     from ray import serve
 
@@ -276,7 +468,9 @@ def _report_when_running(app_name: str, address: str, timeout: float) -> int:
                 name: deployment.replica_states.get("RUNNING", 0)
                 for name, deployment in status.deployments.items()
             }
-            print(json.dumps(counts), flush=True)
+            node = next((n for n in ray.nodes() if n.get("Alive")), {})
+            answer = {"replicas": counts, "metrics_export_port": node.get("MetricsExportPort")}
+            print(json.dumps(answer), flush=True)
             return 0
         time.sleep(0.5)
     return 1
@@ -293,6 +487,17 @@ class _FatalErrorWatch:
         r"(engines\.base\.EngineError|ModelNotFoundError|ValidationError): (.+)"
         r"|RuntimeError: (Failed to bind to address [^;\s]+)"
     )
+    # Lines Ray 2.60 prints on every start or stop that say nothing is wrong, dropped:
+    # - Serve's controller deregisters the autoscaling state of every deployment it deploys
+    #   or removes, autoscaled or not, and warns for each that never had one
+    #   (ray/serve/_private/autoscaling_state.py, deregister_deployment);
+    # - serve.shutdown() waits on the controller's graceful_shutdown, a task with infinite
+    #   retries that ends by the controller killing itself, and the raylet reports that
+    #   task as failed "so the task will be retried" (it is not: Ray is stopping).
+    NOISE = re.compile(
+        r"Cannot deregister autoscaling state for deployment .* because it is not registered"
+        r"|Task ServeController\.graceful_shutdown failed\. There are infinite retries"
+    )
 
     def __init__(self, output) -> None:
         self.error: str | None = None
@@ -301,6 +506,8 @@ class _FatalErrorWatch:
 
     def _pump(self) -> None:
         for line in self._output:
+            if self.NOISE.search(line):
+                continue
             sys.stdout.write(line)
             sys.stdout.flush()
             match = self.PATTERN.search(line)
@@ -308,17 +515,68 @@ class _FatalErrorWatch:
                 self.error = (match.group(2) or f"{match.group(3)}: is the port in use?").strip()
 
 
+def _batching_problem(user_config: dict, engine_max: int, config_path: Path) -> str | None:
+    """Why `user_config` is not a batching config the replicas would take, in one line naming
+    the field and its allowed range; None if they would. A replica refuses a max_batch_size
+    past its engine's (the app config's engine.max_batch_size), and Serve, seeing every
+    replica fail, would replace them all: so this is checked before anything is deployed."""
+    from pydantic import ValidationError
+
+    from serve_app.config import BatchingConfig
+
+    def bounds(field: str) -> tuple[object, object]:
+        low = high = None
+        info = BatchingConfig.model_fields.get(field)
+        for item in info.metadata if info else ():
+            low = getattr(item, "ge", None) if getattr(item, "ge", None) is not None else low
+            high = getattr(item, "le", None) if getattr(item, "le", None) is not None else high
+        return low, high
+
+    def allowed(field: str, value: object) -> str:
+        low, high = bounds(field)
+        if field == "max_batch_size":
+            return (
+                f"max_batch_size must be in 1..{engine_max} (engine.max_batch_size in "
+                f"{config_path}), got {value}"
+            )
+        if low is not None and high is not None:
+            return f"{field} must be in {low}..{high}, got {value}"
+        if low is not None:
+            return f"{field} must be at least {low}, got {value}"
+        return f"{field} must be at most {high}, got {value}"
+
+    try:
+        batching = BatchingConfig.model_validate(user_config)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            field = ".".join(str(part) for part in error["loc"])
+            if error["type"] in ("greater_than_equal", "less_than_equal"):
+                problems.append(allowed(field, error["input"]))
+            elif error["type"] == "extra_forbidden":
+                keys = ", ".join(BatchingConfig.model_fields)
+                problems.append(f"unknown key {field!r} (keys: {keys})")
+            elif field:
+                problems.append(f"{field}: {error['msg']}, got {error['input']!r}")
+            else:  # a check across fields
+                problems.append(error["msg"].removeprefix("Value error, "))
+        return "; ".join(problems)
+    if batching.max_batch_size > engine_max:
+        return allowed("max_batch_size", batching.max_batch_size)
+    return None
+
+
 def cmd_reconfigure(args: argparse.Namespace) -> int:
     """Apply KEY=VALUE changes to the batching user_config of the application that
     `raystream serve` started with the same config and flags, through Serve's deploy (each
-    replica's `reconfigure`; no restart, since nothing else differs)."""
-    # As _wait_running's helper: a cluster that `serve run` started uses token auth, and a
-    # driver given its address must be told so before Ray is first imported (Ray reads the
-    # setting then). Set first: _serve_config imports Ray for topology direct.
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    replica's `reconfigure`; no restart, since nothing else differs). A change the replicas
+    would refuse is refused here, before anything reaches the cluster."""
+    # As _wait_running's helper (_driver_env): token auth, and a loopback address kept as it
+    # is; Ray reads both when first imported. Set first: _serve_config imports Ray for
+    # topology direct.
+    for name, value in _driver_env(args.address).items():
+        os.environ.setdefault(name, value)
     import yaml
-
-    from serve_app.config import BatchingConfig
 
     config, app = _serve_config(args.config, _overrides(args))
     name = "Ingress" if app.topology == "direct" else "Inference"  # where batching happens
@@ -332,37 +590,88 @@ def cmd_reconfigure(args: argparse.Namespace) -> int:
         key, sep, value = change.partition("=")
         if not sep:
             raise ConfigError(f"{change!r}: expected KEY=VALUE, e.g. max_batch_size=16")
-        user_config[key] = yaml.safe_load(value)
+        try:
+            user_config[key] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ConfigError(f"{change!r}: {value!r} is not a YAML value") from None
         if user_config[key] is None:  # null: back to BatchingConfig's default
             del user_config[key]
-    try:
-        BatchingConfig.model_validate(user_config)
-    except ValueError as exc:
-        raise ConfigError(f"invalid user_config {user_config}:\n{exc}") from None
+    problem = _batching_problem(user_config, app.engine.max_batch_size, args.config)
+    if problem is not None:
+        raise ConfigError(f"refused, nothing changed: {problem}")
+
     import ray
     from ray import serve
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
-    ray.init(address=args.address, log_to_driver=False, logging_level="WARNING")
-    serve.start(proxy_location=config.get("proxy_location", "Disabled"))  # the running one
-    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config), _blocking=True)
+    _check_reachable(args.address)
+    try:
+        ray.init(address=args.address, log_to_driver=False, logging_level="WARNING")
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(
+            f"cannot reach the Ray cluster at {args.address} ({reason}); is `raystream serve` "
+            f"running? Its ready line names the cluster to pass as --address"
+        ) from None
+    try:
+        serve.start(proxy_location=config.get("proxy_location", "Disabled"))  # the running one
+        _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
+        _wait_applied(config["applications"][0]["name"], name, args.timeout)
+    except ConfigError:
+        raise
+    except Exception as exc:  # a Ray or Serve failure: one line, the server log has the rest
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ConfigError(
+            f"the deploy failed ({type(exc).__name__}: {reason}); see the server's log"
+        ) from None
     print(f"raystream: {name} user_config now {user_config}", flush=True)
     return 0
 
 
-async def _describe(address: str, app) -> str:
-    """What is served, from GetModelInfo (open unless token auth is on)."""
-    from clients.client import Client
+def _check_reachable(address: str) -> None:
+    """A Ray address that nothing listens on: ray.init would retry it for minutes."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", or a form Ray parses itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=3.0).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot reach the Ray cluster at {address} ({exc.strerror or exc}); is `raystream "
+            f"serve` running? Its ready line names the cluster to pass as --address"
+        ) from None
 
-    if app.security.auth_token_file is not None:
-        return f"model {app.model}, engine {app.engine.kind}"
-    async with Client(address) as client:
-        info = await client.model_info(timeout=5.0)
-    return (
-        f"model {info.name}/{info.version}, engine {info.engine} ({info.precision}), "
-        f"topology {app.topology}"
-    )
+
+def _wait_applied(app_name: str, deployment: str, timeout: float) -> None:
+    """Wait until Serve reports `app_name` RUNNING after a deploy; ConfigError (one line) if
+    it fails or `timeout` passes first. Serve's own blocking deploy waits a minute even once
+    the application has failed, then raises TimeoutError."""
+    from ray import serve
+
+    start = time.monotonic()
+    while True:
+        time.sleep(0.5)
+        status = serve.status().applications.get(app_name)
+        if status is None:
+            raise ConfigError(f"application {app_name!r} is not running on this Ray cluster")
+        if status.status == "DEPLOY_FAILED":
+            lines = [line for line in status.message.splitlines() if line.strip()]
+            raise ConfigError(
+                f"the deploy failed: {lines[-1] if lines else 'no reason given'}; see the "
+                f"server's log"
+            )
+        # The controller applies a new config on its next loop: give it a moment before
+        # taking RUNNING as the new config's (one loop is ~0.1 s).
+        if status.status == "RUNNING" and time.monotonic() - start >= 1.0:
+            return
+        if time.monotonic() - start > timeout:
+            state = status.deployments.get(deployment)
+            detail = f"; {deployment}: {state.status}" if state is not None else ""
+            raise ConfigError(
+                f"{app_name} is not RUNNING {timeout:.0f} s after the deploy (now "
+                f"{status.status}{detail}); see the server's log"
+            )
 
 
 if __name__ == "__main__":  # python -m clients.serve_command APP ADDRESS TIMEOUT: _wait_running
