@@ -1,4 +1,8 @@
-"""Shared fixtures: real photos, the real exported model, a real Ray Serve app on a free port."""
+"""Shared fixtures: real photos, the real exported model, a real Ray Serve app on a free port,
+and the engine parity check every engine passes (tests/unit and tests/gpu run it).
+
+tests/unit: no Ray, no server. tests/integration: real Ray Serve and gRPC. tests/gpu: needs a
+CUDA GPU (its tests skip elsewhere, saying so)."""
 
 from __future__ import annotations
 
@@ -53,6 +57,42 @@ def model(model_repository: Path):
     from engines.repository import resolve
 
     return resolve(model_repository, "efficientnet-lite0")
+
+
+@pytest.fixture(scope="session")
+def engine_reference(model) -> tuple[np.ndarray, np.ndarray]:
+    """Real photos and the FP32 torch model's softmax on them: the engines' ground truth."""
+    import torch
+
+    from engines.export import EXPORTABLE, check_photos
+    from engines.scores import softmax
+
+    batch = check_photos(model.spec.preprocess)
+    net = EXPORTABLE["efficientnet-lite0"].build().eval()
+    with torch.inference_mode():
+        return batch, softmax(net(torch.from_numpy(batch)).numpy())
+
+
+def check_engine_parity(model, reference, kind: str, precision: str, atol: float) -> None:
+    """The one parity test every engine must pass: the reference's winners and softmax within
+    `atol`, whatever the batch composition and whatever sits in a bucket's padding."""
+    from engines import create_engine
+    from engines.scores import softmax
+
+    batch, expected = reference
+    with create_engine(kind, model, max_batch_size=8, precision=precision) as engine:
+        engine.warmup()
+        got = softmax(engine.infer(batch))
+        np.testing.assert_array_equal(got.argmax(1), expected.argmax(1))
+        assert np.abs(got - expected).max() <= atol
+        # Batch composition changes nothing beyond the precision's tolerance...
+        singles = np.concatenate([softmax(engine.infer(batch[i : i + 1])) for i in range(3)])
+        three = softmax(engine.infer(batch[:3]))
+        np.testing.assert_array_equal(three.argmax(1), singles.argmax(1))
+        assert np.abs(three - singles).max() <= atol
+        # ...and what sits in the padding of a bucket (3 runs padded to 4) changes nothing.
+        engine.infer(batch[[3, 3, 3, 3]])  # leaves image 3 in the padding row
+        np.testing.assert_array_equal(softmax(engine.infer(batch[:3])), three)
 
 
 @pytest.fixture(scope="session")
@@ -123,7 +163,7 @@ def start_app(name: str, model_repository: Path, **args: object):
 @pytest.fixture(scope="session", params=["chained", "fused", "direct"])
 def server(request, ray_cluster, model_repository: Path) -> str:
     """The whole application under real Ray Serve, gRPC on a free loopback port, in each
-    topology (serve_app/pipeline.py)."""
+    topology (serve_app/topology.py)."""
     from ray import serve
 
     port, handle = start_app(

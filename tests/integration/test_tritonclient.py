@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,7 @@ from conftest import ROOT
 
 pytestmark = pytest.mark.slow
 PYTHON = ROOT / ".venv-triton" / "bin" / "python"
+CHECK = Path(__file__).with_name("tritonclient_check.py")  # what that venv runs
 CATS = range(281, 286)
 
 
@@ -23,7 +25,7 @@ def test_tritonclient_infers_and_streams(server, photos, tmp_path) -> None:
         path.write_bytes(photos[name])
         paths.append(str(path))
     run = subprocess.run(
-        [str(PYTHON), str(ROOT / "tests" / "tritonclient_check.py"), server, *paths],
+        [str(PYTHON), str(CHECK), server, *paths],
         capture_output=True,
         text=True,
         timeout=120,

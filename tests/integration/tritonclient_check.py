@@ -1,8 +1,9 @@
-"""Run by tests/test_tritonclient.py in its own venv (.venv-triton: Triton's `tritonclient`
-needs protobuf < 7, raystream pins 7): Triton's own gRPC client, unchanged, against raystream.
+"""Run by tests/integration/test_tritonclient.py in its own venv (.venv-triton: Triton's
+`tritonclient` needs protobuf < 7, raystream pins 7): Triton's own gRPC client, unchanged,
+against raystream.
 Prints one JSON object with what it saw.
 
-    .venv-triton/bin/python tests/tritonclient_check.py 127.0.0.1:9000 a.jpg b.jpg
+    .venv-triton/bin/python tests/integration/tritonclient_check.py 127.0.0.1:9000 a.jpg b.jpg
 """
 
 import json

@@ -1,9 +1,10 @@
-"""decode: gpu — the CPU side (header checks, routing) everywhere; nvJPEG itself on GPUs."""
+"""decode: gpu on the CPU: header checks and routing, the GPU path's resize and crop on CPU
+tensors, and the decoder's batching with a stand-in for nvJPEG (nvJPEG itself:
+tests/gpu/test_nvjpeg.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import io
 import threading
 
@@ -22,7 +23,6 @@ from conftest import encode
 
 CATS = range(281, 286)
 COFFEE = {967, 968, 504}
-HAS_GPU_DECODE = importlib.util.find_spec("torchvision") is not None and torch.cuda.is_available()
 
 
 def _preprocessor(model_repository, decode: str) -> PreprocessStage:
@@ -63,33 +63,6 @@ async def test_gpu_mode_passes_plain_jpegs_on_encoded(model_repository, photos) 
     assert "truncated" in pre.image_failures[0, 5].message
     cpu = await _preprocessor(model_repository, "cpu").run(_batch(images))
     assert cpu.jpegs == () and cpu.crop_owners[:, 1].tolist() == [0, 1, 3, 4]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU_DECODE, reason="needs a CUDA GPU and torchvision (nvJPEG)")
-def test_nvjpeg_crops_match_the_cpu_path(model, photos) -> None:
-    from engines.gpu_decode import GpuJpegDecoder
-    from engines.images import DecodeLimits, InvalidImage, decode
-
-    spec = model.spec.preprocess
-    decoder = GpuJpegDecoder(spec, DecodeLimits())
-    gray = encode(np.asarray(Image.open(io.BytesIO(photos["coffee"])).convert("L")), "JPEG")
-    jpegs = [photos[n] for n in ("chelsea", "coffee", "astronaut", "rocket")] + [gray]
-    crops = decoder.crops(jpegs)
-    assert crops.pixels.is_cuda and crops.pixels.shape == (5, 224, 224, 3)
-    assert crops.good == (0, 1, 2, 3, 4) and crops.errors == ()
-    for jpeg, crop in zip(jpegs, crops.pixels.cpu().numpy(), strict=True):
-        reference = decode(jpeg, spec).astype(np.int16)
-        assert np.abs(crop.astype(np.int16) - reference).mean() < 3.0
-    # A JPEG nvJPEG rejects fails alone, with the CPU path's message.
-    junk = b"\xff\xd8\xff\xdb" + b"\x00" * 64 + b"\xff\xd9"
-    crops = decoder.crops([jpegs[0], junk])
-    assert crops.good == (0,) and crops.pixels.is_cuda and len(crops.pixels) == 1
-    with pytest.raises(InvalidImage) as cpu_error:
-        decode(junk, spec)
-    assert [(i, str(e)) for i, e in crops.errors] == [(1, str(cpu_error.value))]
-    both = decoder.crops_many([jpegs[:1], jpegs[1:]])
-    assert [len(c.pixels) for c in both] == [1, 4]
 
 
 def test_crops_of_mixed_sizes_in_one_batch_equal_one_at_a_time(model, photos) -> None:
@@ -206,35 +179,3 @@ async def test_a_gpu_decode_replica_decodes_a_batch_in_pieces_on_every_thread(
     assert top[0][0] in CATS and top[0][1] == 3 and top[0][2] in COFFEE
     assert top[1][0] in COFFEE
     assert all(t in CATS for t in top[2][::2]) and all(t in COFFEE for t in top[2][1::2])
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU_DECODE, reason="needs a CUDA GPU and torchvision (nvJPEG)")
-async def test_gpu_replica_keeps_crops_on_the_gpu_and_answers_each_image(
-    model_repository, photos
-) -> None:
-    """The real decoder and torch-CUDA engine in one replica: requests that mix GPU-decoded
-    JPEGs with CPU-decoded images and junk, one split in decode pieces, each get their own
-    labels in their own order."""
-    from serve_app.config import BatchingConfig, EngineConfig
-
-    config = AppConfig(
-        model_repository=model_repository,
-        decode="gpu",
-        engine=EngineConfig(kind="torch-cuda", max_batch_size=64),
-    )
-    group = await StageGroup.create(config, STAGES)
-    group.reconfigure(BatchingConfig(max_batch_size=64).model_dump())
-    png = encode(np.asarray(Image.open(io.BytesIO(photos["coffee"]))), "PNG")
-    answers = await group.run(
-        _batch(
-            [photos["chelsea"], photos["coffee"]],  # all on the GPU
-            [png, photos["chelsea"], b"junk"],  # CPU crops beside GPU ones, and a failure
-            [photos["chelsea"], photos["coffee"]] * 20,  # two decode pieces (32 + 10)
-        )
-    )
-    top = _top(answers)
-    assert top[0][0] in CATS and top[0][1] in COFFEE
-    assert top[1][0] in COFFEE and top[1][1] in CATS and top[1][2] == 3
-    assert all(t in CATS for t in top[2][::2]) and all(t in COFFEE for t in top[2][1::2])
-    assert group.images_inferred() == 2 + 2 + 40

@@ -5,7 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT
+
 STUBS = {
     "v1/classifier.proto": ("classifier_pb2.py", "classifier_pb2.pyi", "classifier_pb2_grpc.py"),
     "oip/grpc_predict_v2.proto": (

@@ -307,9 +307,9 @@ async def test_a_stream_that_cannot_reconnect_fails_unavailable_whatever_ended_i
     """One connection whose stream ends INTERNAL (how grpcio reports some shutdowns,
     grpc/grpc#36066) and whose server is gone: the requests it left unanswered, and those
     never sent, are answered UNAVAILABLE, and so is the stream's error (a flaky failure of
-    tests/test_redeploy.py's delete test, 2026-12-01). A server that refuses the new
+    tests/integration/test_redeploy.py's delete test, 2026-12-01). A server that refuses the new
     connection with a reason (a wrong token) gives that reason instead (the same race
-    failed tests/test_security.py's token test)."""
+    failed tests/integration/test_security.py's token test)."""
     from clients.spread import STREAM_ENDED
 
     internal, empty = grpc.StatusCode.INTERNAL, grpc.aio.Metadata()

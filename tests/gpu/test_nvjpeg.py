@@ -1,0 +1,97 @@
+"""decode: gpu on a GPU: nvJPEG's crops match the CPU path's, and a replica with the real
+decoder and the torch-CUDA engine answers each image of mixed requests."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from raystream.v1 import classifier_pb2 as pb
+from serve_app.config import STAGES, AppConfig
+from serve_app.messages import Batch, Job
+from serve_app.topology import StageGroup
+
+from conftest import encode
+
+CATS = range(281, 286)
+COFFEE = {967, 968, 504}
+HAS_GPU_DECODE = importlib.util.find_spec("torchvision") is not None and torch.cuda.is_available()
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not HAS_GPU_DECODE, reason="needs a CUDA GPU and torchvision (nvJPEG)"),
+]
+
+
+def _batch(*requests: list[bytes]) -> Batch:
+    return Batch(
+        jobs=tuple(Job(id=str(i), images=tuple(r), top_k=1) for i, r in enumerate(requests))
+    )
+
+
+def _top(answers) -> list[list[int]]:
+    """Each answer's top class per image, or the image's error code."""
+    responses = [pb.ClassifyResponse.FromString(a.payload) for a in answers]
+    return [
+        [r.labels[0].class_id if r.labels else r.error.code for r in response.results]
+        for response in responses
+    ]
+
+
+def test_nvjpeg_crops_match_the_cpu_path(model, photos) -> None:
+    from engines.gpu_decode import GpuJpegDecoder
+    from engines.images import DecodeLimits, InvalidImage, decode
+
+    spec = model.spec.preprocess
+    decoder = GpuJpegDecoder(spec, DecodeLimits())
+    gray = encode(np.asarray(Image.open(io.BytesIO(photos["coffee"])).convert("L")), "JPEG")
+    jpegs = [photos[n] for n in ("chelsea", "coffee", "astronaut", "rocket")] + [gray]
+    crops = decoder.crops(jpegs)
+    assert crops.pixels.is_cuda and crops.pixels.shape == (5, 224, 224, 3)
+    assert crops.good == (0, 1, 2, 3, 4) and crops.errors == ()
+    for jpeg, crop in zip(jpegs, crops.pixels.cpu().numpy(), strict=True):
+        reference = decode(jpeg, spec).astype(np.int16)
+        assert np.abs(crop.astype(np.int16) - reference).mean() < 3.0
+    # A JPEG nvJPEG rejects fails alone, with the CPU path's message.
+    junk = b"\xff\xd8\xff\xdb" + b"\x00" * 64 + b"\xff\xd9"
+    crops = decoder.crops([jpegs[0], junk])
+    assert crops.good == (0,) and crops.pixels.is_cuda and len(crops.pixels) == 1
+    with pytest.raises(InvalidImage) as cpu_error:
+        decode(junk, spec)
+    assert [(i, str(e)) for i, e in crops.errors] == [(1, str(cpu_error.value))]
+    both = decoder.crops_many([jpegs[:1], jpegs[1:]])
+    assert [len(c.pixels) for c in both] == [1, 4]
+
+
+async def test_gpu_replica_keeps_crops_on_the_gpu_and_answers_each_image(
+    model_repository, photos
+) -> None:
+    """The real decoder and torch-CUDA engine in one replica: requests that mix GPU-decoded
+    JPEGs with CPU-decoded images and junk, one split in decode pieces, each get their own
+    labels in their own order."""
+    from serve_app.config import BatchingConfig, EngineConfig
+
+    config = AppConfig(
+        model_repository=model_repository,
+        decode="gpu",
+        engine=EngineConfig(kind="torch-cuda", max_batch_size=64),
+    )
+    group = await StageGroup.create(config, STAGES)
+    group.reconfigure(BatchingConfig(max_batch_size=64).model_dump())
+    png = encode(np.asarray(Image.open(io.BytesIO(photos["coffee"]))), "PNG")
+    answers = await group.run(
+        _batch(
+            [photos["chelsea"], photos["coffee"]],  # all on the GPU
+            [png, photos["chelsea"], b"junk"],  # CPU crops beside GPU ones, and a failure
+            [photos["chelsea"], photos["coffee"]] * 20,  # two decode pieces (32 + 10)
+        )
+    )
+    top = _top(answers)
+    assert top[0][0] in CATS and top[0][1] in COFFEE
+    assert top[1][0] in COFFEE and top[1][1] in CATS and top[1][2] == 3
+    assert all(t in CATS for t in top[2][::2]) and all(t in COFFEE for t in top[2][1::2])
+    assert group.images_inferred() == 2 + 2 + 40
