@@ -238,7 +238,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"raystream ready: gRPC{tls} on {address}, {described}; Ctrl-C stops", flush=True)
         return child.wait()
     except KeyboardInterrupt:
-        child.send_signal(signal.SIGINT)
+        # Ctrl-C in a terminal reaches the whole process group, `serve run` too, which then
+        # shuts down by itself: a second SIGINT would cut that short ("Aborted!", exit 1). A
+        # SIGINT sent to this process alone (kill -INT, a background job) is passed on.
+        if not fatal.stopping.wait(3.0):
+            child.send_signal(signal.SIGINT)
         return child.wait()
     except BaseException:
         stop(1)  # never leave a server running behind a failure
@@ -499,8 +503,11 @@ class _FatalErrorWatch:
         r"|Task ServeController\.graceful_shutdown failed\. There are infinite retries"
     )
 
+    STOPPING = "Got KeyboardInterrupt, shutting down"  # `serve run` took a SIGINT
+
     def __init__(self, output) -> None:
         self.error: str | None = None
+        self.stopping = threading.Event()
         self._output = output
         threading.Thread(target=self._pump, daemon=True, name="serve-output").start()
 
@@ -510,6 +517,8 @@ class _FatalErrorWatch:
                 continue
             sys.stdout.write(line)
             sys.stdout.flush()
+            if self.STOPPING in line:
+                self.stopping.set()
             match = self.PATTERN.search(line)
             if match and self.error is None:
                 self.error = (match.group(2) or f"{match.group(3)}: is the port in use?").strip()
