@@ -11,11 +11,14 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.handle import DeploymentHandle
 
+from engines import EngineInfo
 from engines.repository import resolve
 from serve_app.config import AppConfig, BatchingConfig
 from serve_app.ingress import Ingress
-from serve_app.topology import Group, StageGroup, deployment_name, groups
+from serve_app.messages import Answer, Batch
+from serve_app.topology import Group, StageGroup, StageHandle, deployment_name, groups
 
 # Topology direct: the replica runs raystream on Serve's own event loop, not on a second
 # loop in a second thread (Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED does the same): the
@@ -39,15 +42,26 @@ DEFAULTS = {
 
 @serve.deployment
 class Stages:
-    """A group of stages as a Serve deployment: a thin shell over StageGroup."""
+    """A group of stages as a Serve deployment: a thin shell over StageGroup. Each group
+    passes its result to the next group itself (`next`), so the ingress makes one call per
+    micro-batch whatever the topology, and the stage replicas make the others."""
 
-    async def __init__(self, config: dict, stages: Group) -> None:
+    async def __init__(self, config: dict, stages: Group, next: DeploymentHandle | None) -> None:
         self._group = await StageGroup.create(AppConfig.model_validate(config), stages)
-        self.run = self._group.run
-        self.info = self._group.info
+        self._next = None if next is None else StageHandle(next)
         self.batching = self._group.batching
         self.images_inferred = self._group.images_inferred
         self.memory_bytes = self._group.memory_bytes
+
+    async def run(self, batch: Batch) -> Batch | list[Answer]:
+        batch = await self._group.run(batch)
+        return batch if self._next is None else await self._next.run(batch)
+
+    async def info(self) -> tuple[str, str, EngineInfo]:
+        """What is served: the model and the engine of the group that holds inference."""
+        if self._group.inference is None:
+            return await self._next.info()
+        return self._group.info()
 
     def reconfigure(self, user_config: dict) -> None:
         self._group.reconfigure(user_config)
@@ -69,10 +83,8 @@ def build_app(args: dict[str, Any]) -> Application:
         env_vars = {name: os.environ.get(name, value) for name, value in DIRECT_REPLICA_ENV.items()}
         options = {**Ingress.ray_actor_options, "runtime_env": {"env_vars": env_vars}}
         return Ingress.options(ray_actor_options=options).bind(shared)
-    handles = [
-        Stages.options(name=deployment_name(group), **DEFAULTS[deployment_name(group)]).bind(
-            shared, group
-        )
-        for group in stage_groups
-    ]
-    return Ingress.bind(shared, *handles)
+    stages = None  # bound last to first: each group gets the handle of the next
+    for group in reversed(stage_groups):
+        name = deployment_name(group)
+        stages = Stages.options(name=name, **DEFAULTS[name]).bind(shared, group, stages)
+    return Ingress.bind(shared, stages)

@@ -29,7 +29,7 @@ from serve_app.metrics import resident_memory_bytes
 from serve_app.oip import OpenInferenceService
 from serve_app.security import TokenAuth, server_credentials
 from serve_app.streams import StreamRunner
-from serve_app.topology import STAGES, StageGroup
+from serve_app.topology import STAGES, StageGroup, StageHandle
 
 logger = logging.getLogger(__name__)
 
@@ -44,18 +44,17 @@ SERVICE_NAMES = (
 class Ingress:
     """Starts the gRPC server in this replica; it serves until the replica stops.
 
-    `stages`: handles to the stage deployments, in order (the topology's groups); none in
-    topology `direct`, where this replica runs the stages and takes the batching
-    `user_config` that the Inference deployment takes otherwise."""
+    `stages`: the handle of the first stage deployment (each passes its result on to the
+    next); None in topology `direct`, where this replica runs the stages and takes the
+    batching `user_config` that the Inference deployment takes otherwise."""
 
-    async def __init__(self, config: dict, *stages: DeploymentHandle) -> None:
+    async def __init__(self, config: dict, stages: DeploymentHandle | None = None) -> None:
         self._server: grpc.aio.Server | None = None
         self._config = AppConfig.model_validate(config)
-        self._stages = stages
         self._local: StageGroup | None = None
-        if stages:
-            group = next(h for h in stages if h.deployment_name == "Inference")
-            model = await group.info.remote()
+        if stages is not None:
+            self._stages = StageHandle(stages)
+            model = await self._stages.info()
             run = self._chain
         else:
             self._local = await StageGroup.create(self._config, STAGES)
@@ -114,12 +113,8 @@ class Ingress:
         )
 
     async def _chain(self, batch: Batch) -> list[Answer]:
-        """One call through the stage deployments: each takes the previous one's result
-        (Serve passes it between the replicas without this one waiting for it)."""
-        response = self._stages[0].run.remote(batch)
-        for stage in self._stages[1:]:
-            response = stage.run.remote(response)
-        return await response
+        """One call through the stage deployments; the first passes its result on."""
+        return await self._stages.run(batch)
 
     def reconfigure(self, user_config: dict) -> None:
         if self._local is None:

