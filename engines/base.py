@@ -36,7 +36,7 @@ class EngineError(RuntimeError):
 class EngineInfo:
     """What an engine reports about itself (GetModelInfo carries it to clients)."""
 
-    engine: str  # "onnxruntime", "torch-cuda", "tensorrt", "echo"
+    engine: str  # the kind that runs: one of engines.KINDS other than "auto"
     input_shape: tuple[int, int, int]  # (C, H, W); the batch dimension is dynamic
     num_classes: int
     max_batch_size: int
