@@ -233,7 +233,7 @@ class Client:
         while len(self._channels) < self._wanted:
             seen = set(self._replicas.values())
             # 8 per replica sought: with 8 per replica found, the second connection of two had
-            # 8 dials, all on the first replica 1 time in 256 (a flaky test, session 17)
+            # 8 dials, all on the first replica 1 time in 256
             channel, replica = await self._dial(seen, DIALS_PER_REPLICA * (len(seen) + 1))
             if replica and replica in seen:
                 await channel.close()

@@ -152,7 +152,7 @@ async def _requests(
 ) -> AsyncIterator[EncodedRequest]:
     # Each image (or the pixels) is encoded once, each request's id and top_k anew, and the
     # pieces joined: a fifth of this process' CPU went to building and serializing messages
-    # that differ only in their id (docs/benchmarks.md 2k).
+    # that differ only in their id.
     if workload.pixels is None:  # images: cycled through, batch_size a request
         images = itertools.cycle(
             [pb.ClassifyRequest(images=[image]).SerializeToString() for image in workload.images]
@@ -278,7 +278,7 @@ async def find_replicas(address: str, count: int, client_options: dict) -> list[
 
     Replicas share the port (SO_REUSEPORT) and the kernel hashes each connection to one of
     them, so a few connections often miss some: 4 connections reached 2 or 3 of 4 replicas
-    on the H200 (docs/benchmarks.md 2c). Each new connection asks where it landed."""
+    on the H200. Each new connection asks where it landed."""
     found: set[str] = set()
     for _ in range(DIALS_PER_REPLICA * count if count > 1 else 0):
         async with Client(address, **client_options) as client:

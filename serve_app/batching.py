@@ -2,8 +2,8 @@
 
 Ray Serve's `@serve.batch` forms the next batch as soon as one request is queued and only
 then waits for a free concurrency slot, so while the engine is busy requests pile up in
-already-formed one-request batches (measured: mean batch 8 images = one request, with 590 ms
-of queueing, in docs/benchmarks.md). Here each of `max_concurrent` workers takes requests
+already-formed one-request batches (measured under load: a mean batch of 8 images, one
+request, after 590 ms of queueing). Here each of `max_concurrent` workers takes requests
 from the queue only when it is free: under load a batch holds everything that arrived while
 the engine was busy (up to `max_batch_size` images), at low load a lone request runs at once,
 and `max_delay_s` optionally waits for company. Cancelled requests, and requests whose
@@ -50,8 +50,7 @@ class AdaptiveWait:
     wait buys bigger batches while latency allows; as load or engine time grows, it backs off.
     A wait also halves when most of the last waits (8 at least) ended with their request
     alone in its batch: arrivals too sparse for the wait to find company, which then only
-    adds latency (sixteen GPU replicas sharing 5,000 img/s see about 40 requests/s each;
-    docs/benchmarks.md 2k).
+    adds latency (sixteen GPU replicas sharing 5,000 img/s see about 40 requests/s each).
     """
 
     def __init__(

@@ -49,7 +49,7 @@ class StageHandle:
     """Calls to a stage deployment. A call's arguments travel over Serve's gRPC transport
     when they fit its message limit (RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH, 4 MiB unless
     the application's runtime_env raises it, as the shipped configs do), else through Ray's
-    object store: measured on the 2-core box, the caller spent 0.8 against 2.3 ms of CPU on
+    object store: measured on a 2-core CPU machine, the caller spent 0.8 against 2.3 ms of CPU on
     a call of 1 KB, and 1.2 against 3.8 ms on one of 1 MB."""
 
     # three quarters of the limit: the pickled batch weighs a little more than its arrays
