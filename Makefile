@@ -30,7 +30,7 @@ model: setup
 serve: model
 	$(BIN)/raystream serve --config $(CONFIG) --model-repository $(MODELS) $(SERVE_ARGS)
 
-# Triton's own gRPC client in a venv of its own (it needs protobuf < 7): tests/test_tritonclient.py
+# Triton's own gRPC client in a venv of its own (it needs protobuf < 7): tests/integration/test_tritonclient.py
 $(TRITON_STAMP):
 	$(PYTHON) -m venv $(TRITON_VENV)
 	$(TRITON_VENV)/bin/python -m pip install -q 'tritonclient[grpc]==2.73.0' 'protobuf==6.33.6' \
@@ -51,7 +51,7 @@ format: setup
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# Regenerate the Python stubs after editing protos/ (tests/test_protos.py checks they match).
+# Regenerate the Python stubs after editing protos/ (tests/unit/test_protos.py checks they match).
 protos: setup
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos \
 		--grpc_python_out=protos protos/raystream/v1/classifier.proto \

@@ -7,7 +7,7 @@ img/s and CPU per image against it.
     python bench/plain_server.py --port 9250 [--decode-threads 2]
 
 With --decode-threads N it also decodes and crops every image as raystream does
-(serve_app.preprocessing.decode, N threads; the default model's resize to 256 and crop to
+(engines.images.decode, N threads; the default model's resize to 256 and crop to
 224, or with --decode-size S a resize to S and no crop): the same work without Ray or
 batching.
 Prints `plain server ready on HOST:PORT` once it listens; SIGINT or SIGTERM stops it.
@@ -41,8 +41,8 @@ class PlainClassifier(pb_grpc.ImageClassifierServicer):
         self._pool = None
         if decode_threads:
             sys.path.insert(0, str(ROOT))
+            from engines.images import decode
             from engines.repository import PreprocessSpec
-            from serve_app.preprocessing import decode
 
             size = {"input_size": decode_size, "resize_size": decode_size} if decode_size else {}
             self._decode, self._spec = decode, PreprocessSpec(**size)

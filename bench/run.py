@@ -293,7 +293,7 @@ def run_grpc_load(load_def: dict, target: str, tree: ServerProcesses, path: Path
 
 def _baseline_worker(params: dict) -> dict:
     """In this process, no gRPC, no Ray: `images`-image batches of the load's photos decoded
-    with serve_app.preprocessing.decode (in the config's preprocess_threads threads) and
+    with engines.images.decode (in the config's preprocess_threads threads) and
     classified by the config's engine, back to back; then the engine alone on the crops."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -301,9 +301,9 @@ def _baseline_worker(params: dict) -> dict:
 
     sys.path.insert(0, str(ROOT))
     from engines import create_engine, pick_engine
+    from engines.images import decode
     from engines.repository import resolve
     from serve_app.config import AppConfig
-    from serve_app.preprocessing import decode
 
     config = AppConfig.model_validate(params["args"])
     ref = resolve(config.model_repository, config.model, config.model_version)

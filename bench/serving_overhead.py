@@ -52,10 +52,10 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from clients.loadgen import Workload, model_input, run_load
+from engines.images import decode
 from engines.repository import PreprocessSpec
 from raystream.v1 import classifier_pb2 as pb
 from raystream.v1 import classifier_pb2_grpc as pb_grpc
-from serve_app.preprocessing import decode
 
 SPEC = PreprocessSpec()
 

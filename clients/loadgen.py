@@ -390,8 +390,8 @@ def in_process_baseline(
 
     from engines import create_engine
     from engines.base import normalize
+    from engines.images import decode
     from engines.repository import resolve
-    from serve_app.preprocessing import decode
 
     ref = resolve(repository, model)
     spec = ref.spec.preprocess
@@ -426,8 +426,8 @@ def model_input(repository: Path, model: str, images: tuple[bytes, ...]) -> np.n
     """`images` preprocessed as the server would (the model's spec in `repository`):
     float32 (N, C, H, W), what a client that preprocesses itself sends as `pixels`."""
     from engines.base import normalize
+    from engines.images import decode
     from engines.repository import resolve
-    from serve_app.preprocessing import decode
 
     spec = resolve(repository, model).spec.preprocess
     crops = np.stack([decode(image, spec) for image in images])
