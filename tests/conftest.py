@@ -7,6 +7,7 @@ CUDA GPU (its tests skip elsewhere, saying so)."""
 from __future__ import annotations
 
 import io
+import os
 import random
 import socket
 from pathlib import Path
@@ -15,7 +16,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from clients.local_ray import loopback_env
+
 ROOT = Path(__file__).resolve().parents[1]
+# The tests' own local Ray stays on 127.0.0.1, as `raystream serve`'s does (clients/local_ray.py):
+# set before anything starts Ray.
+os.environ.update(loopback_env())
 
 
 def encode(array: np.ndarray, fmt: str = "JPEG", **params: object) -> bytes:
