@@ -43,8 +43,8 @@ request_log = logging.getLogger("ray.serve")  # lands in the replica's Serve log
 
 @dataclass(eq=False)
 class _Pending:
-    job: Job
-    reply: Callable[[Answer], None]
+    job: Job | None  # None once answered
+    reply: Callable[[Answer], None] | None
     stream: str
     started: float
     done: bool = False
@@ -194,6 +194,9 @@ class ServingCore:
             answer = dataclasses.replace(answer, payload=with_total_ms(answer.payload, total_ms))
         self._record(pending.job, answer, total_ms, pending.stream)
         pending.reply(answer)
+        # Streams keep their pending handles until they end (to abandon what is left): a
+        # finished one must not keep its request's images alive.
+        pending.job, pending.reply = None, None
 
     # -- metrics and logs -----------------------------------------------------------------------
 

@@ -92,16 +92,6 @@ class Batch:
     def replace(self, **changes: Any) -> Batch:
         return dataclasses.replace(self, **changes)
 
-    def nbytes(self) -> int:
-        """About what this batch weighs on the wire: its images, tensors and crops."""
-        total = sum(len(image) for job in self.jobs for image in job.images)
-        total += sum(job.pixels.nbytes for job in self.jobs if job.pixels is not None)
-        total += sum(len(jpeg) for jpeg in self.jpegs)
-        if self.crops is not None:
-            crops = self.crops
-            total += crops.nbytes if isinstance(crops, np.ndarray) else crops.numel()
-        return total
-
     def live_jobs(self) -> list[int]:
         return [i for i in range(len(self.jobs)) if i not in self.job_failures]
 
