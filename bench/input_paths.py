@@ -15,7 +15,7 @@ the wrong shape, pixels holding NaN). Prints one row per path: top-1 agreement w
 reference and the largest difference of the winner's probability; exits 1 when a winner
 differs or an error code is wrong. Against a server decoding with nvJPEG (`decode: gpu`),
 the client's PIL-made pixels differ in score and, for a close call, in winner (one photo of
-seven on the H200, docs/benchmarks.md 2n): start it with `--decode cpu` to compare like with
+seven on the H200): start it with `--decode cpu` to compare like with
 like.
 
     python bench/input_paths.py --server 127.0.0.1:9000 [--repository models]

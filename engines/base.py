@@ -18,7 +18,7 @@ def normalize(images: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarr
 
     Transposed while still uint8 (a quarter of float32's bytes through the strided copy),
     then scaled in place: 5-6x faster than transposing the float32 result (1.1 against
-    6.5 ms for 8 crops on the CPU box), the same float32 values (docs/benchmarks.md).
+    6.5 ms for 8 crops on a 2-core CPU machine), the same float32 values.
     """
     scale = (1.0 / (255.0 * std)).astype(np.float32)[:, None, None]
     shift = (-mean / std).astype(np.float32)[:, None, None]

@@ -1,7 +1,7 @@
 """JPEG decode, resize and center-crop on the GPU (batched nvJPEG through torchvision).
 
-PIL on 16 cores caps near 7,000 small photos/s (../shared/FINDINGS.md) while batched nvJPEG
-decodes 35,000/s on the same box. With `decode: gpu`, the CPU stage only parses headers and
+PIL on 16 cores caps near 7,000 small photos/s while batched nvJPEG decodes 35,000/s on
+the same H200 host. With `decode: gpu`, the CPU stage only parses headers and
 enforces the limits (engines/images.open_checked); JPEGs that `gpu_decodable()`
 accepts travel as bytes to the inference replica, which decodes them here. Anything nvJPEG
 rejects is decoded again on the CPU, so its error message is the CPU path's.
@@ -83,7 +83,7 @@ class GpuJpegDecoder:
     def warmup(self) -> Crops:
         """Decode and crop generated JPEGs once on this thread (its CUDA stream, nvJPEG's
         first call, the resize kernels' lazy loading), so no request pays for it: on an
-        H200 the first request after ready took 4 s, all of it in decode (2026-12-01)."""
+        H200 the first request after ready took 4 s, all of it in decode."""
         return self.crops([_sample_jpeg(640, 480), _sample_jpeg(480, 640)])
 
     def crops_many(self, requests: list[list[bytes]]) -> list[Crops]:

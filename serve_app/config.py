@@ -152,10 +152,6 @@ class BatchingConfig(_Strict):
     # batch_wait_timeout_s, as the longest that keeps the p99 of queue + engine time in the
     # replica under this many ms (serve_app/batching.py, AdaptiveWait).
     target_p99_ms: float = Field(0.0, ge=0.0)
-    # Unused: the inference stage's nvJPEG threads are fixed (serve_app/inference.py
-    # DECODE_THREADS). Kept only while bench/gpu_request_sizes.sh (d=N) and
-    # docs/configuration.md still name it: this model refuses unknown keys.
-    decode_concurrency: int = Field(4, ge=1, le=4)
 
     @model_validator(mode="after")
     def _adaptive_needs_a_ceiling(self) -> BatchingConfig:

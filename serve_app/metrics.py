@@ -17,9 +17,9 @@ Serve adds the deployment, replica and application tags. A stage's mean time per
 
 Counters add up in the replica and reach Ray once a second (`IngressMetrics.flush`): a Ray
 metric call with Serve's tags costs microseconds, and the seven a request made cost up to 15%
-of a direct replica's requests/s on the CPU box; gathering them won back ~9%
-(docs/benchmarks.md section 3, session 8). Only the end-to-end histogram is still observed
-per request: Ray's histograms take one value a call.
+of a direct replica's requests/s on a 2-core CPU machine; gathering them won back ~9%.
+Only the end-to-end histogram is still observed per request: Ray's histograms take one value
+a call.
 """
 
 from __future__ import annotations

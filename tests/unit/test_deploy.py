@@ -39,8 +39,7 @@ def test_serve_configs_are_valid(path: Path) -> None:
     assert names <= expected, f"{path.name} configures deployments its topology lacks"
 
 
-# The smallest host each shipped config is for: the 2-core CPU box, or one H200 with 16 cores
-# (the `nvidia-h200` machine, docs/benchmarks.md).
+# The smallest host each shipped config is for: a 2-core CPU machine, or one H200 with 16 cores.
 CPU_HOST, GPU_HOST = {"CPU": 2, "GPU": 0}, {"CPU": 16, "GPU": 1}
 
 
