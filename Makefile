@@ -11,7 +11,7 @@ MODEL_STAMP := $(MODELS)/efficientnet-lite0
 TRITON_VENV := .venv-triton
 TRITON_STAMP := $(TRITON_VENV)/.installed-stamp
 
-.PHONY: setup model serve test lint format protos clean triton-client
+.PHONY: setup model serve test test-gpu lint format protos clean triton-client
 
 # A venv with the pinned project; redone when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -42,6 +42,18 @@ triton-client: $(TRITON_STAMP)
 test: model triton-client
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The tests that need a CUDA GPU (they skip elsewhere), on a GPU host. With .gpu/site.tar.xz
+# (bench/gpu_bundle.sh, for a host with no package registry) they run on the host's torch;
+# without it, in the project's venv.
+GPU_TESTS := tests/gpu tests/unit/test_engines.py tests/unit/test_gpu_decode.py
+test-gpu:
+	@if [ -f .gpu/site.tar.xz ]; then \
+		bash -c 'source bench/gpu_env.sh && python3 -m clients.cli export --repository $(MODELS) \
+			--if-missing && python3 -m pytest $(GPU_TESTS) $(PYTEST_ARGS)'; \
+	else \
+		$(MAKE) model && $(BIN)/python -m pytest $(GPU_TESTS) $(PYTEST_ARGS); \
+	fi
 
 lint: setup
 	$(BIN)/ruff check .

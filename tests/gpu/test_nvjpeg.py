@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from support import batch_of, top_classes
 
-from raystream.v1 import classifier_pb2 as pb
 from serve_app.config import STAGES, AppConfig
-from serve_app.messages import Batch, Job
 from serve_app.topology import StageGroup
 
 from conftest import encode
@@ -25,21 +24,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not HAS_GPU_DECODE, reason="needs a CUDA GPU and torchvision (nvJPEG)"),
 ]
-
-
-def _batch(*requests: list[bytes]) -> Batch:
-    return Batch(
-        jobs=tuple(Job(id=str(i), images=tuple(r), top_k=1) for i, r in enumerate(requests))
-    )
-
-
-def _top(answers) -> list[list[int]]:
-    """Each answer's top class per image, or the image's error code."""
-    responses = [pb.ClassifyResponse.FromString(a.payload) for a in answers]
-    return [
-        [r.labels[0].class_id if r.labels else r.error.code for r in response.results]
-        for response in responses
-    ]
 
 
 def test_nvjpeg_crops_match_the_cpu_path(model, photos) -> None:
@@ -84,13 +68,13 @@ async def test_gpu_replica_keeps_crops_on_the_gpu_and_answers_each_image(
     group.reconfigure(BatchingConfig(max_batch_size=64).model_dump())
     png = encode(np.asarray(Image.open(io.BytesIO(photos["coffee"]))), "PNG")
     answers = await group.run(
-        _batch(
+        batch_of(
             [photos["chelsea"], photos["coffee"]],  # all on the GPU
             [png, photos["chelsea"], b"junk"],  # CPU crops beside GPU ones, and a failure
             [photos["chelsea"], photos["coffee"]] * 20,  # two decode pieces (32 + 10)
         )
     )
-    top = _top(answers)
+    top = top_classes(answers)
     assert top[0][0] in CATS and top[0][1] in COFFEE
     assert top[1][0] in COFFEE and top[1][1] in CATS and top[1][2] == 3
     assert all(t in CATS for t in top[2][::2]) and all(t in COFFEE for t in top[2][1::2])

@@ -3,16 +3,11 @@ the app under real Ray Serve. The engine is `echo`: this test is about transport
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from support import issue_certificate, write_pem
 
 from clients.client import Client
 
@@ -22,53 +17,15 @@ pytestmark = pytest.mark.slow
 TOKEN = "s3cret-token"
 
 
-def _issue(name: str, issuer_key, issuer_name, *, ca: bool, key=None):
-    key = key or ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(issuer_name or subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if not ca:
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-    cert = builder.sign(issuer_key or key, hashes.SHA256())
-    return key, cert
-
-
-def _write(path: Path, key, cert) -> tuple[Path, Path]:
-    key_path, cert_path = path.with_suffix(".key"), path.with_suffix(".pem")
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return key_path, cert_path
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("pki")
-    ca_key, ca_cert = _issue("raystream test CA", None, None, ca=True)
-    server_key, server_cert = _issue("localhost", ca_key, ca_cert.subject, ca=False)
-    client_key, client_cert = _issue("client", ca_key, ca_cert.subject, ca=False)
-    _, ca_path = _write(root / "ca", ca_key, ca_cert)
-    server_key_path, server_cert_path = _write(root / "server", server_key, server_cert)
-    client_key_path, client_cert_path = _write(root / "client", client_key, client_cert)
+    ca_key, ca_cert = issue_certificate("raystream test CA", ca=True, san=())
+    server_key, server_cert = issue_certificate("localhost", ca_key, ca_cert.subject, ca=False)
+    client_key, client_cert = issue_certificate("client", ca_key, ca_cert.subject, ca=False)
+    _, ca_path = write_pem(root / "ca", ca_key, ca_cert)
+    server_key_path, server_cert_path = write_pem(root / "server", server_key, server_cert)
+    client_key_path, client_cert_path = write_pem(root / "client", client_key, client_cert)
     (root / "token").write_text(TOKEN + "\n")
     return {
         "ca": ca_path,

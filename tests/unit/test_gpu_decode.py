@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from support import batch_of, top_classes
 
-from raystream.v1 import classifier_pb2 as pb
 from serve_app.config import STAGES, AppConfig
-from serve_app.messages import Batch, Job
 from serve_app.preprocess import PreprocessStage
 from serve_app.topology import StageGroup
 
@@ -30,21 +29,6 @@ def _preprocessor(model_repository, decode: str) -> PreprocessStage:
     return PreprocessStage(config, StageGroup.model_spec(config).preprocess)
 
 
-def _batch(*requests: list[bytes]) -> Batch:
-    return Batch(
-        jobs=tuple(Job(id=str(i), images=tuple(r), top_k=1) for i, r in enumerate(requests))
-    )
-
-
-def _top(answers) -> list[list[int]]:
-    """Each answer's top class per image, or the image's error code."""
-    responses = [pb.ClassifyResponse.FromString(a.payload) for a in answers]
-    return [
-        [r.labels[0].class_id if r.labels else r.error.code for r in response.results]
-        for response in responses
-    ]
-
-
 async def test_gpu_mode_passes_plain_jpegs_on_encoded(model_repository, photos) -> None:
     png = encode(np.asarray(Image.open(io.BytesIO(photos["coffee"]))), "PNG")
     exif = Image.Exif()
@@ -54,14 +38,14 @@ async def test_gpu_mode_passes_plain_jpegs_on_encoded(model_repository, photos) 
     )
     truncated = photos["chelsea"][: len(photos["chelsea"]) // 3]
     images = [photos["chelsea"], png, b"junk", rotated, photos["coffee"], truncated]
-    pre = await _preprocessor(model_repository, "gpu").run(_batch(images))
+    pre = await _preprocessor(model_repository, "gpu").run(batch_of(images))
     assert pre.jpeg_owners[:, 1].tolist() == [0, 4]
     assert pre.jpegs == (photos["chelsea"], photos["coffee"])
     assert pre.crop_owners[:, 1].tolist() == [1, 3]  # PNG, EXIF-rotated JPEG: on the CPU
     # Truncated JPEGs stay on the CPU path, which reports them (nvJPEG does not).
     assert sorted(image for _, image in pre.image_failures) == [2, 5]
     assert "truncated" in pre.image_failures[0, 5].message
-    cpu = await _preprocessor(model_repository, "cpu").run(_batch(images))
+    cpu = await _preprocessor(model_repository, "cpu").run(batch_of(images))
     assert cpu.jpegs == () and cpu.crop_owners[:, 1].tolist() == [0, 1, 3, 4]
 
 
@@ -172,10 +156,10 @@ async def test_a_gpu_decode_replica_decodes_a_batch_in_pieces_on_every_thread(
     decoder.calls.clear()
     large = [photos["chelsea"], photos["coffee"]] * 35
     answers = await group.run(
-        _batch([photos["chelsea"], b"junk", photos["coffee"]], [photos["coffee"]], large)
+        batch_of([photos["chelsea"], b"junk", photos["coffee"]], [photos["coffee"]], large)
     )
     assert sorted(decoder.calls) == [9, 32, 32]  # the 73 JPEGs (the junk is not one)
-    top = _top(answers)
+    top = top_classes(answers)
     assert top[0][0] in CATS and top[0][1] == 3 and top[0][2] in COFFEE
     assert top[1][0] in COFFEE
     assert all(t in CATS for t in top[2][::2]) and all(t in COFFEE for t in top[2][1::2])

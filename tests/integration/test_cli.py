@@ -5,8 +5,6 @@ down or that speaks TLS to a plaintext client (and the other way round)."""
 from __future__ import annotations
 
 import contextlib
-import datetime
-import ipaddress
 import socket
 import subprocess
 import sys
@@ -16,12 +14,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from support import issue_certificate, write_pem
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT
 
 
 def _cli(*args: str, prelude: str = "", timeout: float = 60) -> subprocess.CompletedProcess:
@@ -235,44 +230,11 @@ def test_reconfigure_whose_deploy_fails_or_times_out_is_one_line(deploy, expecte
 # -- TLS against plaintext ----------------------------------------------------------------
 
 
-def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .sign(key, hashes.SHA256())
-    )
-    key_path, cert_path = tmp_path / "server.key", tmp_path / "server.pem"
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return cert_path, key_path
-
-
 @pytest.fixture
 def grpc_servers(tmp_path):
     """A gRPC server with TLS (self-signed) and one without, on loopback: what the client
     meets before any method runs is the transport, the same as raystream's ingress."""
-    cert, key = _self_signed(tmp_path)
+    key, cert = write_pem(tmp_path / "server", *issue_certificate("localhost", ca=True))
     tls = grpc.server(futures.ThreadPoolExecutor(2))
     tls_port = tls.add_secure_port(
         "127.0.0.1:0", grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import ipaddress
 import subprocess
 import sys
 import time
@@ -18,76 +16,31 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health, health_pb2_grpc
+from support import issue_certificate, write_pem
 
 from clients.serve_command import _Probe
 from serve_app.config import AppConfig
 
-from conftest import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _issue(name: str, issuer_key, issuer_name, *, ca: bool, san: tuple = (), days: float = 1):
-    """As tests/test_security.py: a certificate for `name`, self-signed without an issuer;
-    `san`: the names and addresses it is for; `days`: valid until then (< 0: expired)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(issuer_name or subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=2))
-        .not_valid_after(now + datetime.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if san:
-        names = [
-            x509.DNSName(n) if n[0].isalpha() else x509.IPAddress(ipaddress.ip_address(n))
-            for n in san
-        ]
-        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
-    cert = builder.sign(issuer_key or key, hashes.SHA256())
-    return key, cert
-
-
-def _write(path: Path, key, cert) -> tuple[Path, Path]:
-    key_path, cert_path = path.with_suffix(".key"), path.with_suffix(".pem")
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return key_path, cert_path
+from conftest import ROOT, free_port
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("pki")
-    ca_key, ca_cert = _issue("raystream test CA", None, None, ca=True)
+    ca_key, ca_cert = issue_certificate("raystream test CA", ca=True, san=())
     files = {}
-    files["ca_key"], files["ca"] = _write(root / "ca", ca_key, ca_cert)
-    local = ("localhost", "127.0.0.1")
-    key, cert = _issue("localhost", None, None, ca=True, san=local)  # self-signed
-    files["self_key"], files["self_cert"] = _write(root / "self", key, cert)
-    key, cert = _issue("raystream.example", None, None, ca=True, san=("raystream.example",))
-    files["named_key"], files["named_cert"] = _write(root / "named", key, cert)
-    key, cert = _issue("localhost", ca_key, ca_cert.subject, ca=False, san=local)  # by the CA
-    files["issued_key"], files["issued_cert"] = _write(root / "issued", key, cert)
-    key, cert = _issue("localhost", None, None, ca=True, san=local, days=-1)
-    files["expired_key"], files["expired_cert"] = _write(root / "expired", key, cert)
-    key, cert = _issue("client", ca_key, ca_cert.subject, ca=False, san=("client",))
-    files["client_key"], files["client_cert"] = _write(root / "client", key, cert)
+    files["ca_key"], files["ca"] = write_pem(root / "ca", ca_key, ca_cert)
+    key, cert = issue_certificate("localhost", ca=True)  # self-signed
+    files["self_key"], files["self_cert"] = write_pem(root / "self", key, cert)
+    key, cert = issue_certificate("raystream.example", ca=True, san=("raystream.example",))
+    files["named_key"], files["named_cert"] = write_pem(root / "named", key, cert)
+    key, cert = issue_certificate("localhost", ca_key, ca_cert.subject, ca=False)  # by the CA
+    files["issued_key"], files["issued_cert"] = write_pem(root / "issued", key, cert)
+    key, cert = issue_certificate("localhost", ca=True, days=-1)
+    files["expired_key"], files["expired_cert"] = write_pem(root / "expired", key, cert)
+    key, cert = issue_certificate("client", ca_key, ca_cert.subject, ca=False, san=("client",))
+    files["client_key"], files["client_cert"] = write_pem(root / "client", key, cert)
     return files
 
 
@@ -181,7 +134,7 @@ def test_raystream_serve_with_tls_says_when_it_is_ready(model_repository, pki, t
     photo = tmp_path / "chelsea.jpg"
     photo.write_bytes(encode(data.chelsea()))
     port = free_port()
-    # the same helper as tests/test_local_ray.py: output collected, own process group
+    # the same helper as tests/integration/test_local_ray.py: output collected, own process group
     from test_local_ray import Server
 
     server = Server(

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from conftest import ROOT, free_port
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
 LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
 
 
