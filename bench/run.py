@@ -43,6 +43,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import load  # noqa: E402  (bench/load.py: the plain load generator)
+import profiles  # noqa: E402  (bench/profiles.py: py-spy per process kind)
 
 TICK = os.sysconf("SC_CLK_TCK")
 LOAD_FIELDS = {
@@ -174,6 +175,15 @@ class ServerProcesses:
             return any(f"RAY_RAYLET_PID={r}".encode() in env for r in self.raylets)
         return False
 
+    def one_per_kind(self, containing: str = "") -> dict[str, int]:
+        """{process name: pid}: the first process of each name that holds `containing` (one
+        replica per deployment, ...)."""
+        found: dict[str, int] = {}
+        for (pid, _), (_, name) in sorted(self.scan().items()):
+            if containing in name:
+                found.setdefault(name, pid)
+        return found
+
     def measure(self, start: float, end: float, stop: threading.Event) -> dict:
         """Sleeps until `start`, samples until `end`; the CPU seconds spent in between."""
         time.sleep(max(start - time.time(), 0))
@@ -232,9 +242,11 @@ def builtin_photos() -> Path:
     return _PHOTOS[0]
 
 
-def run_grpc_load(load_def: dict, target: str, tree: ServerProcesses, path: Path) -> dict:
+def run_grpc_load(
+    load_def: dict, target: str, tree: ServerProcesses, path: Path, profile: str | None = None
+) -> dict:
     """bench/load.py against the server, as a child process; the server's CPU over the
-    window that it announces."""
+    window that it announces (and, with `profile`, py-spy profiles of its processes)."""
     spec = _spec(load_def, target)
     port = int(spec.target.rsplit(":", 1)[1])
     command = [sys.executable, str(HERE / "load.py"), "--target", spec.target]
@@ -257,6 +269,7 @@ def run_grpc_load(load_def: dict, target: str, tree: ServerProcesses, path: Path
     stop = threading.Event()
     sampler = None
     lines = []
+    recording = None
 
     def sample(start: float, end: float) -> None:
         time.sleep(max(start + (end - start) / 2 - time.time(), 0))
@@ -271,6 +284,11 @@ def run_grpc_load(load_def: dict, target: str, tree: ServerProcesses, path: Path
 
             sampler = threading.Thread(target=watch, daemon=True)
             sampler.start()
+            if profile:
+                replicas = tree.one_per_kind("ServeReplica")
+                recording = profiles.Recording(
+                    replicas, start, end, path.with_suffix(""), native=profile == "native"
+                )
             threading.Thread(target=sample, args=(start, end), daemon=True).start()
         else:
             lines.append(line.rstrip())
@@ -278,6 +296,8 @@ def run_grpc_load(load_def: dict, target: str, tree: ServerProcesses, path: Path
     stop.set()
     if sampler is not None:
         sampler.join(30)
+    if recording is not None:
+        recording.finish()
     if not path.exists():
         return {"failed": f"load.py exited {child.returncode}: " + " | ".join(lines[-3:])}
     report = json.loads(path.read_text())
@@ -557,7 +577,7 @@ def run_server(scenario: str, server: dict, loads: list[dict], port: int, args) 
                     (out / "ready.txt").write_text(f"{ready_after:.1f}\n{ready}\n")
                     for load_def in remote:
                         target, path = f"127.0.0.1:{port}", out / f"{load_def['name']}.json"
-                        report = run_grpc_load(load_def, target, tree, path)
+                        report = run_grpc_load(load_def, target, tree, path, args.profile)
                         report["ready_after_s"] = ready_after
                         rows.append(_row(scenario, name, load_def, report))
             finally:
@@ -721,6 +741,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="results folder")
     parser.add_argument("--port", type=int, default=9200, help="first server's port")
     parser.add_argument("--repository", type=Path, default=ROOT / "models")
+    parser.add_argument(
+        "--profile",
+        nargs="?",
+        const="python",
+        choices=("python", "native"),
+        help="py-spy one replica per deployment (native: C frames too)",
+    )
     parser.add_argument("--baseline-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.baseline_worker:
@@ -728,6 +755,8 @@ def main() -> None:
         return
     if not args.scenarios:
         parser.error("name at least one scenario file")
+    if args.profile and not profiles.available():
+        parser.error("--profile needs py-spy on PATH (pip install py-spy)")
     if args.out is None:
         if os.environ.get("OUT"):
             args.out = Path(os.environ["OUT"]) / "bench"

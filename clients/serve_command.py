@@ -49,8 +49,11 @@ def _serve_config(path: Path, overrides: dict) -> tuple[dict, object]:
         args[key] = {**args[key], **value} if merge else value
     app["args"] = args
     deployments = app.get("deployments", [])
-    if args.get("topology") in ("fused", "direct"):  # these exist only in topology chained
-        deployments = [d for d in deployments if d.get("name") not in ("Preprocess", "Postprocess")]
+    if "topology" in args:  # settings of deployments that this topology does not make go
+        from serve_app.topology import deployment_names
+
+        made = {"Ingress", "Inference", *deployment_names(args["topology"])}
+        deployments = [d for d in deployments if d.get("name") in made]
     if args.get("topology") == "direct":
         from serve_app.app import DIRECT_REPLICA_ENV
 

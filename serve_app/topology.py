@@ -45,6 +45,12 @@ def deployment_name(group: Group) -> str:
     return "Inference" if "inference" in group else group[0].title()
 
 
+def deployment_names(topology: str | list) -> set[str]:
+    """The stage deployments that `topology` (a config value) makes."""
+    named = NAMED.get(topology) if isinstance(topology, str) else topology
+    return {deployment_name(tuple(group)) for group in named or ()}
+
+
 class StageHandle:
     """Calls to a stage deployment, through Ray's object store. (Serve's gRPC transport,
     `_by_reference=False`, cost its caller a third of the CPU per call on a 2-core CPU
