@@ -51,8 +51,9 @@ class Recording:
             slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")[-40:]
             raw = prefix.with_name(f"{prefix.name}.{slug}.raw")
             command = ["py-spy", "record", "--pid", str(pid), "--duration", seconds]
-            command += ["--rate", str(RATE), "--nonblocking", "--format", "raw", "-o", str(raw)]
-            command += ["--native"] if self._native else []
+            command += ["--rate", str(RATE), "--format", "raw", "-o", str(raw)]
+            # native stacks need the process paused for each sample
+            command += ["--native"] if self._native else ["--nonblocking"]
             child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             self._started.append((child, raw))
 

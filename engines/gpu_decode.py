@@ -1,10 +1,10 @@
 """JPEG decode, resize and center-crop on the GPU (batched nvJPEG through torchvision).
 
 PIL on 16 cores caps near 7,000 small photos/s while batched nvJPEG decodes 35,000/s on
-the same H200 host. With `decode: gpu`, the CPU stage only parses headers and
-enforces the limits (engines/images.open_checked); JPEGs that `gpu_decodable()`
-accepts travel as bytes to the inference replica, which decodes them here. Anything nvJPEG
-rejects is decoded again on the CPU, so its error message is the CPU path's.
+the same H200 host. With `decode: gpu`, the preprocess stage only reads JPEG headers
+(engines/jpeg.py); the JPEGs nvJPEG can take travel as bytes to the inference replica, which
+decodes them here. Anything nvJPEG rejects is decoded again on the CPU, so its error message
+is the CPU path's.
 
 Resizing uses bilinear interpolation with antialiasing, as PIL does; results match the CPU
 path to within a few grey levels, not bit for bit (tests/gpu/test_nvjpeg.py).
@@ -154,16 +154,18 @@ def crop_batch(images: list[torch.Tensor], spec: PreprocessSpec) -> torch.Tensor
     """(3, H, W) uint8 images -> (N, S, S, 3) uint8 crops (the engine's layout): shorter side
     to resize_size, center crop S.
 
-    Images of the same size resize in one call (catalog photos often share a size), so the
-    kernel launches grow with the number of distinct sizes, not of images. Each crop is
-    copied to its row on its own: scattering with a list of rows (`out[rows] = ...`) would
-    copy the list to the GPU and wait for the stream, once per size.
+    Images of the same size resize in one call (catalog photos often share a size) and land
+    in their rows with one scatter, so the kernel launches grow with the number of distinct
+    sizes, not of images. The rows' indices go up from pinned memory: from pageable memory
+    the copy would wait for the stream.
     """
     size = spec.input_size
-    out = torch.empty((len(images), size, size, 3), dtype=torch.uint8, device=images[0].device)
     groups: dict[tuple[int, int], list[int]] = {}
     for index, image in enumerate(images):
         groups.setdefault(tuple(image.shape[1:]), []).append(index)
+    out = None
+    if len(groups) > 1:
+        out = torch.empty((len(images), size, size, 3), dtype=torch.uint8, device=images[0].device)
     for (height, width), indices in groups.items():
         scale = spec.resize_size / min(width, height)
         new_h = max(size, round(height * scale))
@@ -178,6 +180,14 @@ def crop_batch(images: list[torch.Tensor], spec: PreprocessSpec) -> torch.Tensor
         )
         top, left = (new_h - size) // 2, (new_w - size) // 2
         crops = resized[:, :, top : top + size, left : left + size].round_().clamp_(0, 255)
-        for index, crop in zip(indices, crops.permute(0, 2, 3, 1), strict=True):
-            out[index].copy_(crop)
+        rows = crops.permute(0, 2, 3, 1)
+        if len(groups) == 1:
+            return rows.to(torch.uint8).contiguous()
+        out.index_copy_(0, _on(torch.tensor(indices), out.device), rows.to(torch.uint8))
     return out
+
+
+def _on(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return indices
+    return indices.pin_memory().to(device, non_blocking=True)

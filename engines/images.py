@@ -28,7 +28,6 @@ __all__ = [
     "crop_to_input",
     "decode",
     "decode_cost",
-    "gpu_decodable",
     "open_checked",
 ]
 
@@ -111,19 +110,6 @@ def decode_cost(data: bytes, spec: PreprocessSpec, limits: DecodeLimits = Decode
             while scale < 8 and min(width, height) // (scale * 2) >= spec.resize_size:
                 scale *= 2
         return -(-width // scale) * -(-height // scale)
-
-
-def gpu_decodable(image: Image.Image, data: bytes) -> bool:
-    """An RGB or grayscale JPEG with no EXIF rotation that ends with its end-of-image marker:
-    nvJPEG decodes it to the pixels the CPU path would see. Everything else stays on the CPU
-    path, truncated JPEGs included: nvJPEG decodes those without an error (seen on the H200,
-    2026-11-30), PIL reports them."""
-    return (
-        image.format == "JPEG"
-        and image.mode in ("RGB", "L")
-        and data.rstrip(b"\0\r\n ")[-2:] == b"\xff\xd9"
-        and image.getexif().get(0x0112, 1) == 1
-    )
 
 
 def decode(data: bytes, spec: PreprocessSpec, limits: DecodeLimits = DecodeLimits()) -> np.ndarray:

@@ -114,13 +114,18 @@ class DecodePool:
             threading.Thread(target=self._work, name=f"decode-{i}", daemon=True).start()
 
     async def run(
-        self, images: list[bytes], flow: Hashable, deadline: float | None = None
+        self,
+        images: list[bytes],
+        flow: Hashable,
+        deadline: float | None = None,
+        pixels_spent: int = 0,
     ) -> list[object | InvalidImage]:
+        """`pixels_spent`: of the request's pixel budget, by images decoded elsewhere."""
         loop = asyncio.get_running_loop()
         request = _Request(flow, images, deadline, loop, loop.create_future())
         request.results = [None] * len(images)
         request.remaining = len(images)
-        request.pixels_left = self._max_request_pixels
+        request.pixels_left = self._max_request_pixels - pixels_spent
         if not images:
             return []
         with self._ready:

@@ -1,8 +1,9 @@
 """The preprocess stage: every job's encoded images decoded to crops for the engine, in the
-fair decode pool (serve_app/decode_pool.py); a bad image fails alone. With `decode: gpu` it
-only checks the headers of the JPEGs nvJPEG can take and leaves them encoded for the inference
-stage's GPU decoder (engines/gpu_decode.py). Plain code: the Preprocess deployment hosts it,
-or the Inference deployment or the ingress where the topology fuses them.
+fair decode pool (serve_app/decode_pool.py); a bad image fails alone. With `decode: gpu` the
+JPEGs nvJPEG can take (engines/jpeg.py reads their headers, on this thread: microseconds)
+stay encoded for the inference stage's GPU decoder (engines/gpu_decode.py); only the others
+go to the pool. Plain code: the Preprocess deployment hosts it, or the Inference deployment
+or the ingress where the topology fuses them.
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ import numpy as np
 
 from engines import images as preprocessing
 from engines.images import InvalidImage
+from engines.jpeg import gpu_size
 from engines.repository import ModelRef, PreprocessSpec, resolve
 from serve_app.config import AppConfig
 from serve_app.decode_pool import DecodePool
 from serve_app.errors import Code, code_for, message_for
 from serve_app.messages import NO_OWNERS, Batch, Failure, StageTiming
-
-_GPU = "gpu"  # marks an image left encoded for the GPU decoder
 
 
 def load_model(config: AppConfig) -> ModelRef:
@@ -40,6 +40,7 @@ class PreprocessStage:
         self._spec = spec
         self._limits = decode_limits(config)
         self._gpu = config.decode == "gpu"
+        self._max_request_pixels = config.limits.max_request_pixels
         self._pool = DecodePool(
             config.preprocess_threads,
             self._cost,
@@ -50,12 +51,37 @@ class PreprocessStage:
     def _cost(self, data: bytes) -> int:
         return preprocessing.decode_cost(data, self._spec, self._limits)
 
-    def _decode(self, data: bytes) -> np.ndarray | str:
-        if self._gpu:
-            with preprocessing.open_checked(data, self._limits) as image:
-                if preprocessing.gpu_decodable(image, data):
-                    return _GPU
+    def _decode(self, data: bytes) -> np.ndarray:
         return preprocessing.decode(data, self._spec, self._limits)
+
+    def _for_gpu(self, images: tuple[bytes, ...]) -> tuple[list[int], int]:
+        """decode: gpu: which of a request's images go to nvJPEG as they are (within the
+        limits and the request's pixel budget), and their pixels; the rest go to the pool."""
+        chosen, pixels = [], 0
+        for index, data in enumerate(images):
+            size = gpu_size(data) if len(data) <= self._limits.max_image_bytes else None
+            if size is not None:
+                cost = size[0] * size[1]
+                if cost <= self._limits.max_pixels and pixels + cost <= self._max_request_pixels:
+                    chosen.append(index)
+                    pixels += cost
+        return chosen, pixels
+
+    async def _decode_job(self, job) -> list:
+        """One result per image of `job`: a crop, True (left for the GPU) or InvalidImage."""
+        if not self._gpu:
+            return await self._pool.run(list(job.images), job.flow, job.deadline)
+        chosen, pixels = self._for_gpu(job.images)
+        results: list = [True] * len(job.images)
+        on_gpu = set(chosen)
+        rest = [i for i in range(len(job.images)) if i not in on_gpu]
+        if rest:
+            decoded = await self._pool.run(
+                [job.images[i] for i in rest], job.flow, job.deadline, pixels
+            )
+            for index, result in zip(rest, decoded, strict=True):
+                results[index] = result
+        return results
 
     async def run(self, batch: Batch) -> Batch:
         start = time.perf_counter()
@@ -72,13 +98,7 @@ class PreprocessStage:
                 continue
             todo.append(index)
         decoded = await asyncio.gather(
-            *(
-                self._pool.run(
-                    list(batch.jobs[i].images), batch.jobs[i].flow, batch.jobs[i].deadline
-                )
-                for i in todo
-            ),
-            return_exceptions=True,
+            *(self._decode_job(batch.jobs[i]) for i in todo), return_exceptions=True
         )
         crops, crop_owners, jpegs, jpeg_owners = [], [], [], []
         image_failures = dict(batch.image_failures)
@@ -91,7 +111,7 @@ class PreprocessStage:
             for image, result in enumerate(results):
                 if isinstance(result, InvalidImage):
                     image_failures[job, image] = Failure(int(result.code), str(result))
-                elif isinstance(result, str):
+                elif result is True:
                     jpegs.append(batch.jobs[job].images[image])
                     jpeg_owners.append((job, image))
                 else:

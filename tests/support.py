@@ -1,61 +1,9 @@
-"""Helpers shared by several test modules: test certificates and stage batches."""
+"""Stage batches for the tests that drive the stages directly (GPU hosts run them too)."""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
-from pathlib import Path
-
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
-
 from raystream.v1 import classifier_pb2 as pb
 from serve_app.messages import Batch, Job
-
-LOCAL = ("localhost", "127.0.0.1")
-
-
-def issue_certificate(
-    name: str, issuer_key=None, issuer_name=None, *, ca: bool, san=LOCAL, days: float = 1
-):
-    """A key and a certificate for `name`, signed by `issuer_key` (self-signed without one);
-    `san`: the names and addresses it is for; `days`: valid until then (< 0: expired)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(issuer_name or subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=2))
-        .not_valid_after(now + datetime.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if san:
-        names = [
-            x509.DNSName(n) if n[0].isalpha() else x509.IPAddress(ipaddress.ip_address(n))
-            for n in san
-        ]
-        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
-    return key, builder.sign(issuer_key or key, hashes.SHA256())
-
-
-def write_pem(path: Path, key, cert) -> tuple[Path, Path]:
-    """`key` and `cert` as PEM files beside `path`: (path.key, path.pem)."""
-    key_path, cert_path = path.with_suffix(".key"), path.with_suffix(".pem")
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return key_path, cert_path
 
 
 def batch_of(*requests: list[bytes]) -> Batch:

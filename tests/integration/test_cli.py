@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from support import issue_certificate, write_pem
+from certificates import issue_certificate, write_pem
 
 from conftest import ROOT
 

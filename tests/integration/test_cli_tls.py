@@ -16,8 +16,8 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from certificates import issue_certificate, write_pem
 from grpc_health.v1 import health, health_pb2_grpc
-from support import issue_certificate, write_pem
 
 from clients.serve_command import _Probe
 from serve_app.config import AppConfig
