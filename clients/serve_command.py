@@ -50,7 +50,7 @@ def _serve_config(path: Path, overrides: dict) -> tuple[dict, object]:
     app["args"] = args
     deployments = app.get("deployments", [])
     if "topology" in args:  # settings of deployments that this topology does not make go
-        from serve_app.topology import deployment_names
+        from serve_app.config import deployment_names
 
         made = {"Ingress", "Inference", *deployment_names(args["topology"])}
         deployments = [d for d in deployments if d.get("name") in made]

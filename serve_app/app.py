@@ -15,10 +15,10 @@ from ray.serve.handle import DeploymentHandle
 
 from engines import EngineInfo
 from engines.repository import resolve
-from serve_app.config import AppConfig, BatchingConfig
+from serve_app.config import AppConfig, BatchingConfig, Group, deployment_name, groups
 from serve_app.ingress import Ingress
 from serve_app.messages import Answer, Batch
-from serve_app.topology import Group, StageGroup, StageHandle, deployment_name, groups
+from serve_app.topology import StageGroup, StageHandle
 
 # Topology direct: the replica runs raystream on Serve's own event loop, not on a second
 # loop in a second thread (Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED does the same): the

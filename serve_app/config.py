@@ -158,3 +158,28 @@ class BatchingConfig(_Strict):
         if self.target_p99_ms > 0 and self.batch_wait_timeout_s == 0:
             raise ValueError("target_p99_ms needs batch_wait_timeout_s > 0: the longest wait")
         return self
+
+
+# -- the topology: which deployments run the stages (serve_app/topology.py runs them) -----
+
+NAMED = {
+    "chained": (("preprocess",), ("inference",), ("postprocess",)),
+    "fused": (STAGES,),
+    "direct": (),
+}
+Group = tuple[str, ...]
+
+
+def groups(config: AppConfig) -> tuple[Group, ...]:
+    topology = config.topology
+    return NAMED[topology] if isinstance(topology, str) else tuple(map(tuple, topology))
+
+
+def deployment_name(group: Group) -> str:
+    return "Inference" if "inference" in group else group[0].title()
+
+
+def deployment_names(topology: str | list) -> set[str]:
+    """The stage deployments that `topology` (a config value) makes."""
+    named = NAMED.get(topology) if isinstance(topology, str) else topology
+    return {deployment_name(tuple(group)) for group in named or ()}

@@ -22,14 +22,14 @@ from ray.serve.handle import DeploymentHandle
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from serve_app import v1
-from serve_app.config import AppConfig
+from serve_app.config import STAGES, AppConfig
 from serve_app.core import ServingCore
 from serve_app.messages import Answer, Batch
 from serve_app.metrics import resident_memory_bytes
 from serve_app.oip import OpenInferenceService
 from serve_app.security import TokenAuth, server_credentials
 from serve_app.streams import StreamRunner
-from serve_app.topology import STAGES, StageGroup, StageHandle
+from serve_app.topology import StageGroup, StageHandle
 
 logger = logging.getLogger(__name__)
 

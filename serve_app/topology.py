@@ -1,4 +1,5 @@
-"""Where each stage runs: decided here, once, from the config's `topology`.
+"""Where each stage runs, at run time: the stage groups that the config's `topology` makes
+(decided once, in serve_app/config.py: `groups`, `deployment_name`), and the calls between them.
 
 The three stages (preprocess, inference, postprocess) always run in that order; a topology
 groups them into Serve deployments, each group one deployment whose replicas run their stages
@@ -21,34 +22,12 @@ import os
 from ray.serve.handle import DeploymentHandle
 
 from engines import EngineInfo
-from serve_app.config import STAGES, AppConfig
+from serve_app.config import AppConfig, Group
 from serve_app.inference import InferenceStage
 from serve_app.messages import Answer, Batch
 from serve_app.metrics import resident_memory_bytes
 from serve_app.postprocess import PostprocessStage
 from serve_app.preprocess import PreprocessStage, load_model
-
-NAMED = {
-    "chained": (("preprocess",), ("inference",), ("postprocess",)),
-    "fused": (STAGES,),
-    "direct": (),
-}
-Group = tuple[str, ...]
-
-
-def groups(config: AppConfig) -> tuple[Group, ...]:
-    topology = config.topology
-    return NAMED[topology] if isinstance(topology, str) else tuple(map(tuple, topology))
-
-
-def deployment_name(group: Group) -> str:
-    return "Inference" if "inference" in group else group[0].title()
-
-
-def deployment_names(topology: str | list) -> set[str]:
-    """The stage deployments that `topology` (a config value) makes."""
-    named = NAMED.get(topology) if isinstance(topology, str) else topology
-    return {deployment_name(tuple(group)) for group in named or ()}
 
 
 class StageHandle:
