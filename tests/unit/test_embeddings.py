@@ -212,3 +212,26 @@ def test_model_json_from_before_embeddings_reads_as_format_1(model) -> None:
         del raw[key]
     spec = ModelSpec.from_json(json.dumps(raw))
     assert (spec.export_format, spec.embedding_dim, spec.weights_sha256) == (1, 0, "")
+
+
+def test_export_if_missing_adds_a_version_to_a_repository_from_before_embeddings(
+    labels_only_repository, tmp_path, capsys
+) -> None:
+    """`make model` (export --if-missing) on a repository whose newest version predates
+    embeddings exports a new version, which the server then serves by default; once it
+    exists, it does nothing."""
+    import shutil
+
+    from clients.cli import main
+
+    repository = tmp_path / "models"
+    shutil.copytree(labels_only_repository, repository)
+    args = ["export", "--repository", str(repository), "--if-missing", "--onnx-only"]
+    assert main(args) == 0
+    assert "has no embedding output (an older export format)" in capsys.readouterr().out
+    newest = resolve(repository, "efficientnet-lite0")
+    assert newest.spec.version == "2" and newest.spec.embedding_dim == 1280
+    assert is_current(repository, "efficientnet-lite0")
+    assert main(args) == 0
+    assert "is in" in capsys.readouterr().out
+    assert resolve(repository, "efficientnet-lite0").spec.version == "2"
