@@ -5,6 +5,7 @@ PIL and scikit-image only).
     python bench/load.py --target 127.0.0.1:9000 --connections 4 --in-flight 2 --images 8
     python bench/load.py --target HOST:PORT --connections 32 --rate 5000 --images 8 \
         --processes 2 --duration 10 --warmup 2 --json out.json
+    python bench/load.py --target 127.0.0.1:9000 --connections 4 --outputs labels,embedding
 
 Model: N TCP connections, each its own grpc.aio channel (a local subchannel pool and a
 channel argument of its own, so no two channels share a connection), each carrying one
@@ -13,8 +14,10 @@ connection keeps M requests in flight. Open loop (--rate IMG/S): requests arrive
 Poisson process at that total image rate, split evenly over the connections; latency is
 still measured from the write, and `send_lag_ms` says how far writes fell behind schedule.
 Requests carry K JPEG photos (seven scikit-image photos at quality 90, cycled, or
---photos DIR). --processes P runs the connections from P processes (one Python process sends
-at most ~15-20k img/s) and merges their results.
+--photos DIR) and ask for --outputs (labels, embedding, or both; an image answered OK without
+an output it asked for counts as an error, `outputs_missing`). --processes P runs the
+connections from P processes (one Python process sends at most ~15-20k img/s) and merges
+their results.
 
 Sending starts in every process at one shared instant, runs for --warmup then --duration
 seconds, and stops; the rest is drained (--drain). Only answers that arrive within the
@@ -54,6 +57,7 @@ except ImportError:  # a checkout that is not installed: the stubs live under pr
 PHOTOS = ("chelsea", "coffee", "astronaut", "rocket", "camera", "coins", "hubble_deep_field")
 SERVICE = pb.DESCRIPTOR.services_by_name["ImageClassifier"].full_name
 CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+OUTPUTS = {"labels": pb.LABELS, "embedding": pb.EMBEDDING}
 
 
 @dataclass(frozen=True)
@@ -71,11 +75,21 @@ class LoadSpec:
     timeout_ms: int = 0  # per-request deadline carried in the request; 0: none
     drain: float = 30.0  # seconds after sending stops to wait for the last answers
     seed: int = 0
+    outputs: str = "labels"  # comma-separated: labels, embedding (ClassifyRequest.outputs)
+
+    def wanted(self) -> tuple[bool, bool]:
+        """(labels, embedding) each request asks for."""
+        names = {name.strip() for name in self.outputs.split(",") if name.strip()}
+        unknown = names - set(OUTPUTS)
+        if unknown or not names:
+            raise ValueError(f"outputs must name {' and/or '.join(OUTPUTS)}, got {self.outputs!r}")
+        return "labels" in names, "embedding" in names
 
     def describe(self) -> str:
         kind = "unary" if self.unary else "stream"
         loop = f"open loop {self.rate:g} img/s" if self.rate else f"{self.in_flight} in flight"
-        return f"{self.connections} conn x {loop}, {self.images} img/request, {kind}"
+        asked = "" if self.outputs == "labels" else f", outputs {self.outputs}"
+        return f"{self.connections} conn x {loop}, {self.images} img/request, {kind}{asked}"
 
 
 def builtin_photos(quality: int = 90) -> list[bytes]:
@@ -106,11 +120,15 @@ class _Requests:
 
     def __init__(self, spec: LoadSpec, photos: list[bytes], connection: int) -> None:
         n, k = len(photos), spec.images
+        labels, embedding = spec.wanted()
+        # labels alone is the default: sent as no `outputs`, the bytes of any older client
+        outputs = [] if not embedding else [OUTPUTS["labels"]] * labels + [OUTPUTS["embedding"]]
         self._tails = [
             pb.ClassifyRequest(
                 images=[photos[(start + j) % n] for j in range(k)],
                 top_k=spec.top_k,
                 timeout_ms=spec.timeout_ms,
+                outputs=outputs,
             ).SerializeToString()
             for start in range(n)
         ]
@@ -129,12 +147,14 @@ class _Requests:
 class _Stats:
     """One process' counts; merged across processes by `merge`."""
 
-    def __init__(self, window: tuple[float, float]) -> None:
+    def __init__(self, window: tuple[float, float], wanted: tuple[bool, bool]) -> None:
         self.window = window
+        self._labels, self._embedding = wanted
         self.latencies: list[float] = []  # seconds, answers within the window
         self.lags: list[float] = []  # open loop: write time - scheduled time, in the window
         self.window_requests = self.window_images = self.window_ok_images = 0
         self.sent = self.answered = self.missing = self.duplicates = self.unknown = 0
+        self.outputs_missing = 0  # images answered OK without an output they asked for
         self.request_codes: collections.Counter[int] = collections.Counter()
         self.image_codes: collections.Counter[int] = collections.Counter()
         self.rpc_codes: collections.Counter[int] = collections.Counter()
@@ -159,6 +179,11 @@ class _Stats:
             self.image_codes[code] += 1
             total += 1
             ok += not code
+            if not code and (
+                (self._labels and not result.labels)
+                or (self._embedding and not result.HasField("embedding"))
+            ):
+                self.outputs_missing += 1
         self._count(now, sent, total, ok)
 
     def failed_call(self, code: int, now: float, sent: float) -> None:
@@ -309,7 +334,7 @@ async def _process_load(spec: LoadSpec, connections: list[int], photos, pipe) ->
         pipe.send(("ready", None))
         start = await loop.run_in_executor(None, pipe.recv)
         window = (start + spec.warmup, start + spec.warmup + spec.duration)
-        stats = _Stats(window)
+        stats = _Stats(window, spec.wanted())
         cpu = []
         for at in window:
             loop.call_later(max(at - time.time(), 0), lambda: cpu.append(time.process_time()))
@@ -344,6 +369,7 @@ def model_info(target: str) -> dict:
 
 def run(spec: LoadSpec, photos: list[bytes], on_window=None) -> dict:
     """Runs `spec` from spec.processes processes; returns the merged report."""
+    spec.wanted()  # a bad `outputs` fails here, before any process starts
     info = model_info(spec.target)
     processes = max(1, min(spec.processes, spec.connections))
     context = multiprocessing.get_context("spawn")
@@ -412,7 +438,10 @@ def merge(spec: LoadSpec, results: list[dict]) -> dict:
         return merged
 
     ok_images = total("window_ok_images")
-    checks = {k: total(k) for k in ("sent", "answered", "missing", "duplicates", "unknown")}
+    checks = {
+        k: total(k)
+        for k in ("sent", "answered", "missing", "duplicates", "unknown", "outputs_missing")
+    }
     report = {
         "load": asdict(spec),
         "images_per_s": ok_images / spec.duration,
@@ -445,8 +474,8 @@ def errors(report: dict) -> dict[str, int]:
         for name, n in report[f"{level}_codes"].items():
             if name != "OK":
                 out[f"{level} {name}"] += n
-    for key in ("missing", "duplicates", "unknown"):
-        if report["requests"][key]:
+    for key in ("missing", "duplicates", "unknown", "outputs_missing"):
+        if report["requests"].get(key):
             out[key] += report["requests"][key]
     return dict(out)
 
@@ -480,6 +509,9 @@ def main() -> None:
     parser.add_argument("--timeout-ms", type=int, default=0, help="per-request deadline")
     parser.add_argument("--drain", type=float, default=30.0, help="seconds for late answers")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--outputs", default="labels", help="what each image asks for: labels, embedding or both"
+    )
     parser.add_argument("--photos", type=Path, help="folder of images (default: built-in)")
     parser.add_argument("--json", type=Path, help="write the report here, not to stdout")
     parser.add_argument("--announce-window", action="store_true", help="print `window S E`")
@@ -498,6 +530,7 @@ def main() -> None:
         timeout_ms=args.timeout_ms,
         drain=args.drain,
         seed=args.seed,
+        outputs=args.outputs,
     )
     photos = folder_photos(args.photos) if args.photos else builtin_photos()
 

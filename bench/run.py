@@ -58,6 +58,7 @@ LOAD_FIELDS = {
     "top_k",
     "timeout_ms",
     "drain",
+    "outputs",
 }
 EXTRA_FIELDS = {"name", "kind", "compare", "photos", "decode_threads", "decode_size"}
 KINDS = {"grpc", "baseline", "plain_server"}

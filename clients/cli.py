@@ -1,4 +1,5 @@
-"""`raystream`: serve, classify, export, info. Expected failures print one line, no traceback."""
+"""`raystream`: serve, classify, embed, similar, export, info. Expected failures print one
+line, no traceback."""
 
 # ruff: noqa: E402  (GRPC_VERBOSITY is set before grpc is first imported)
 from __future__ import annotations
@@ -26,6 +27,7 @@ import grpc
 
 from clients import serve_command
 from clients.client import status_name
+from clients.embed_command import FORMATS, EmbedError
 from engines.base import EngineError
 from engines.calibration import IMAGE_SUFFIXES
 from engines.repository import ModelNotFoundError
@@ -187,6 +189,22 @@ def cmd_classify(args: argparse.Namespace) -> int:
     return asyncio.run(_classify(args))
 
 
+# -- embed, similar (clients/embed_command.py) -----------------------------------------------
+
+
+def cmd_embed(args: argparse.Namespace) -> int:
+    from clients import embed_command
+
+    paths = _image_paths(args.paths)
+    return asyncio.run(embed_command.embed(args, paths, _connection(args)))
+
+
+def cmd_similar(args: argparse.Namespace) -> int:
+    from clients import embed_command
+
+    return asyncio.run(embed_command.similar(args, _connection(args)))
+
+
 # -- info, export --------------------------------------------------------------------------
 
 
@@ -206,13 +224,18 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from engines.export import export_model
+    from engines.export import export_model, is_current
     from engines.repository import list_versions
 
     existing = list_versions(args.repository, args.model)
-    if args.if_missing and existing:
+    if args.if_missing and is_current(args.repository, args.model):
         print(f"{args.model} is in {args.repository} (versions {', '.join(existing)})")
         return 0
+    if args.if_missing and existing:
+        print(
+            f"{args.model} version {existing[-1]} in {args.repository} has no embedding output "
+            f"(an older export format): exporting a new version"
+        )
     ref = export_model(args.repository, args.model, args.version, with_torch=not args.onnx_only)
     print(f"exported {args.model} version {ref.spec.version} to {ref.path}")
     return 0
@@ -421,6 +444,50 @@ def build_parser() -> argparse.ArgumentParser:
     _add_connection_options(p)
     p.set_defaults(func=cmd_classify)
 
+    p = sub.add_parser(
+        "embed",
+        help="embed image files or folders over one stream into a vector file",
+        description="Send every image (files, or folders recursively) over one "
+        "bidirectional stream for its embedding, and write a row per image (key, vector, "
+        "model, version, embedding_space) to --out. Images that fail are printed, one line "
+        "each, and left out; the exit code is then 1.",
+    )
+    p.add_argument("paths", nargs="+", help="image files or folders")
+    p.add_argument("--out", type=Path, required=True, help="the vector file to write")
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        help="parquet (needs pyarrow: pip install 'raystream[parquet]') or npy (a NumPy "
+        "structured array); default: npy for a .npy --out, else parquet",
+    )
+    p.add_argument("--server", default=DEFAULT_SERVER, help="host:port (default %(default)s)")
+    p.add_argument("--batch-size", type=count(), default=16, help="images per request")
+    p.add_argument("--timeout", type=seconds, default=None, help="stream deadline in seconds")
+    p.add_argument(
+        "--connections",
+        type=count(),
+        default=1,
+        help="spread the stream over up to this many connections, each on another ingress "
+        "replica (topology direct with several replicas)",
+    )
+    _add_connection_options(p)
+    p.set_defaults(func=cmd_embed)
+
+    p = sub.add_parser(
+        "similar",
+        help="the nearest neighbours of an image in a vector file, by cosine",
+        description="Embed QUERY_IMAGE with the server and print the -k rows of --index "
+        "(a file of `raystream embed`) most similar to it by cosine, best first. Only "
+        "vectors of the server's embedding space are compared.",
+    )
+    p.add_argument("query", metavar="QUERY_IMAGE", help="an image file")
+    p.add_argument("--index", type=Path, required=True, help="a vector file (.parquet, .npy)")
+    p.add_argument("-k", type=count(), default=5, help="neighbours to print (default 5)")
+    p.add_argument("--server", default=DEFAULT_SERVER, help="host:port (default %(default)s)")
+    p.add_argument("--timeout", type=seconds, default=30.0, help="seconds (default 30)")
+    _add_connection_options(p)
+    p.set_defaults(func=cmd_similar)
+
     p = sub.add_parser("info", help="show the served model (GetModelInfo)")
     p.add_argument("--server", default=DEFAULT_SERVER, help="host:port (default %(default)s)")
     p.add_argument("--model", default="", help="model name to ask about")
@@ -441,7 +508,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--repository", type=Path, default=Path("models"))
     p.add_argument("--version", default="", help="version name (default: next integer)")
-    p.add_argument("--if-missing", action="store_true", help="do nothing if a version exists")
+    p.add_argument(
+        "--if-missing",
+        action="store_true",
+        help="do nothing if the newest version exists in the current export format (one "
+        "from before embeddings gets a new version)",
+    )
     p.add_argument("--onnx-only", action="store_true", help="skip the torch.export program")
     p.set_defaults(func=cmd_export)
 
@@ -538,7 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (CliError, serve_command.ConfigError) as exc:
+    except (CliError, serve_command.ConfigError, EmbedError) as exc:
         print(f"raystream: {exc}", file=sys.stderr)
         return 2
     except (EngineError, ModelNotFoundError, FileNotFoundError) as exc:

@@ -3,10 +3,12 @@
     async with Client("127.0.0.1:9000") as client:
         async for result in client.classify(paths_or_bytes, batch_size=16):
             print(result.key, result.labels[0].name if result.ok else result.error)
+        async for result in client.embed(paths_or_bytes):
+            print(result.key, result.vector.shape if result.ok else result.error)
 
-`classify` sends everything over ONE bidirectional stream, in requests of `batch_size`
-images, keeping up to `max_in_flight` requests outstanding; results arrive per image in
-completion order, each carrying the key it was sent with.
+`classify` and `embed` send everything over ONE bidirectional stream, in requests of
+`batch_size` images, keeping up to `max_in_flight` requests outstanding; results arrive per
+image in completion order, each carrying the key it was sent with.
 
 `Client(address, connections=N)` opens N connections, each on another ingress replica
 where several share the port (topology `direct`: a replica serves only the connections the
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 from clients.spread import STREAM_ENDED, StreamFn, as_async, error_response, spread
 from raystream.v1 import classifier_pb2 as pb
@@ -39,7 +42,7 @@ REPLICA_METADATA = "raystream-replica"  # serve_app/classifier.py sets it on Get
 # (two replicas: 16 dials, 1 in 65,536).
 DIALS_PER_REPLICA = 8
 
-__all__ = ["Client", "EncodedRequest", "ImageResult", "Label", "status_name"]
+__all__ = ["Client", "EmbeddingResult", "EncodedRequest", "ImageResult", "Label", "status_name"]
 
 
 def status_name(code: int) -> str:
@@ -59,6 +62,19 @@ class ImageResult:
     key: object  # what the caller sent the image as (a path, or its index)
     labels: tuple[Label, ...]
     error_code: int = 0  # google.rpc.Code; 0 when the image was classified
+    error: str = ""
+    timing: pb.Timing | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error_code == 0
+
+
+@dataclass(frozen=True)
+class EmbeddingResult:
+    key: object  # what the caller sent the image as (a path, or its index)
+    vector: np.ndarray | None  # float32 (embedding_dim,), norm 1; None when the image failed
+    error_code: int = 0  # google.rpc.Code; 0 when the image was embedded
     error: str = ""
     timing: pb.Timing | None = None
 
@@ -412,6 +428,54 @@ class Client:
         Items are bytes, paths, or (key, bytes) pairs. A request-level error (bad top_k,
         unknown model) is reported on each of that request's images.
         """
+        fields = {"top_k": top_k, "model": model}
+        async for key, result, response in self._per_image(
+            items, batch_size, max_in_flight, fields
+        ):
+            if result is None:
+                yield ImageResult(
+                    key, (), response.error.code, response.error.message, response.timing
+                )
+                continue
+            labels = tuple(Label(lb.class_id, lb.name, lb.score) for lb in result.labels)
+            yield ImageResult(key, labels, result.error.code, result.error.message, response.timing)
+
+    async def embed(
+        self,
+        items: Iterable[Item],
+        *,
+        batch_size: int = 16,
+        model: str = "",
+        max_in_flight: int = 8,
+    ) -> AsyncIterator[EmbeddingResult]:
+        """Embed every item over one stream; yields one EmbeddingResult per image: its key
+        and its vector (float32, norm 1, `model_info().embedding_dim` long), or its error.
+
+        Items are bytes, paths, or (key, bytes) pairs. A request-level error (a model without
+        embeddings, an unknown model) is reported on each of that request's images. Vectors
+        compare only within one `model_info().embedding_space`.
+        """
+        fields = {"model": model, "outputs": [pb.EMBEDDING]}
+        async for key, result, response in self._per_image(
+            items, batch_size, max_in_flight, fields
+        ):
+            if result is None:
+                yield EmbeddingResult(
+                    key, None, response.error.code, response.error.message, response.timing
+                )
+            elif result.error.code:
+                yield EmbeddingResult(
+                    key, None, result.error.code, result.error.message, response.timing
+                )
+            else:
+                vector = np.array(result.embedding.values, np.float32)
+                yield EmbeddingResult(key, vector, timing=response.timing)
+
+    async def _per_image(
+        self, items: Iterable[Item], batch_size: int, max_in_flight: int, fields: dict
+    ) -> AsyncIterator[tuple[object, pb.ImageResult | None, pb.ClassifyResponse]]:
+        """Every item over one stream, in requests of `batch_size` images with `fields`:
+        (key, its result or None if its request failed as a whole, the response)."""
         pending: dict[str, list[object]] = {}
         slots = asyncio.Semaphore(max_in_flight)
 
@@ -422,7 +486,7 @@ class Client:
                 request_id = str(next(self._ids))
                 pending[request_id] = [key for key, _ in chunk]
                 yield pb.ClassifyRequest(
-                    request_id=request_id, images=[d for _, d in chunk], top_k=top_k, model=model
+                    request_id=request_id, images=[d for _, d in chunk], **fields
                 )
 
         async for response in self.stream(requests()):
@@ -430,12 +494,7 @@ class Client:
             keys = pending.pop(response.request_id)
             if response.error.code:
                 for key in keys:
-                    yield ImageResult(
-                        key, (), response.error.code, response.error.message, response.timing
-                    )
+                    yield key, None, response
                 continue
             for key, result in zip(keys, response.results, strict=True):
-                labels = tuple(Label(lb.class_id, lb.name, lb.score) for lb in result.labels)
-                yield ImageResult(
-                    key, labels, result.error.code, result.error.message, response.timing
-                )
+                yield key, result, response

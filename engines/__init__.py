@@ -6,7 +6,7 @@ import importlib.util
 import logging
 from typing import Literal, get_args
 
-from engines.base import Engine, EngineError, EngineInfo
+from engines.base import Engine, EngineError, EngineInfo, Outputs
 from engines.repository import ModelRef
 
 logger = logging.getLogger(__name__)
@@ -22,6 +22,7 @@ __all__ = [
     "EngineError",
     "EngineInfo",
     "EngineKind",
+    "Outputs",
     "create_engine",
     "pick_engine",
 ]

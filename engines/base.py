@@ -1,8 +1,9 @@
 """The one engine protocol every backend implements.
 
-An engine owns a compiled model and runs float32 NCHW batches to float32 logits. The public
-`infer()` checks the batch against the engine's input metadata, then calls `_infer()`
-(the Polygraphy runner pattern), so every backend gets the same validation and errors.
+An engine owns a compiled model and runs float32 NCHW batches to `Outputs`: float32 logits
+and, from the same pass, the L2-normalized embedding. The public `infer()` checks the batch
+against the engine's input metadata, then calls `_infer()` (the Polygraphy runner pattern),
+so every backend gets the same validation and errors.
 """
 
 from __future__ import annotations
@@ -28,6 +29,36 @@ def normalize(images: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarr
     return out
 
 
+@dataclass(frozen=True)
+class Outputs:
+    """One batch's results, a row per image, both from one engine pass."""
+
+    logits: np.ndarray  # float32 (N, classes)
+    embedding: np.ndarray  # float32 (N, D), each row of norm 1; (N, 0) for a model without one
+
+    def __len__(self) -> int:
+        return len(self.logits)
+
+    def rows(self, lo: int, hi: int) -> Outputs:
+        return Outputs(self.logits[lo:hi], self.embedding[lo:hi])
+
+    def take(self, rows: np.ndarray) -> Outputs:
+        return Outputs(self.logits[rows], self.embedding[rows])
+
+    @staticmethod
+    def concat(parts: list[Outputs]) -> Outputs:
+        if len(parts) == 1:
+            return parts[0]
+        return Outputs(
+            np.concatenate([p.logits for p in parts]), np.concatenate([p.embedding for p in parts])
+        )
+
+    @staticmethod
+    def logits_only(logits: np.ndarray) -> Outputs:
+        """A model without an embedding output (exported before embeddings existed)."""
+        return Outputs(logits, np.zeros((len(logits), 0), np.float32))
+
+
 class EngineError(RuntimeError):
     """An engine could not start or run; the message says why and what to change."""
 
@@ -42,6 +73,7 @@ class EngineInfo:
     max_batch_size: int
     precision: str  # "fp32", "fp16", "bf16", "int8"
     device: str  # "cpu", "cuda:0", ...
+    embedding_dim: int = 0  # width of Outputs.embedding; 0: the model has no embedding output
 
 
 class Engine(abc.ABC):
@@ -58,8 +90,9 @@ class Engine(abc.ABC):
         c, h, w = self.info.input_shape
         self.infer(np.zeros((1, c, h, w), np.float32))
 
-    def infer(self, batch: np.ndarray) -> np.ndarray:
-        """Run a float32 (N, C, H, W) batch, 1 <= N <= max_batch_size; return (N, classes)."""
+    def infer(self, batch: np.ndarray) -> Outputs:
+        """Run a float32 (N, C, H, W) batch, 1 <= N <= max_batch_size: its logits and
+        embedding."""
         expected = self.info.input_shape
         if batch.ndim != 4 or tuple(batch.shape[1:]) != expected:
             raise ValueError(
@@ -74,7 +107,7 @@ class Engine(abc.ABC):
             )
         return self._infer(batch)
 
-    def infer_uint8(self, images: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    def infer_uint8(self, images: np.ndarray, mean: np.ndarray, std: np.ndarray) -> Outputs:
         """Run uint8 (N, H, W, C) crops, normalizing with the model's mean/std first.
 
         The default normalizes on the CPU; GPU engines override it to upload a quarter of
@@ -83,7 +116,7 @@ class Engine(abc.ABC):
         return self.infer(normalize(images, mean, std))
 
     @abc.abstractmethod
-    def _infer(self, batch: np.ndarray) -> np.ndarray: ...
+    def _infer(self, batch: np.ndarray) -> Outputs: ...
 
     def close(self) -> None:  # noqa: B027 - engines without resources need nothing here
         """Release what the engine holds (sessions, device memory, graphs)."""

@@ -6,7 +6,8 @@ so with `@serve.batch(max_concurrent_batches=k)` and k <= slots no two batches e
 same static input, while one batch's host copies overlap another's GPU work. A batch of n
 images runs as the pieces `BucketPlanner` chooses, each copied from pinned memory into its
 graph's static input on the slot's stream (normalized there when it arrives as uint8),
-replayed, and copied back.
+replayed, and its outputs (logits and, where the model has one, the embedding: every output
+of the one pass) copied back.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engines.base import Engine, EngineError
+from engines.base import Engine, EngineError, Outputs
 from engines.buckets import BucketPlanner
 
 CU_CTX_SCHED_BLOCKING_SYNC = 0x04  # cuda.h
@@ -59,7 +60,9 @@ def wait_asleep(stream: torch.cuda.Stream) -> None:
 class CapturedGraph:
     graph: torch.cuda.CUDAGraph
     input: torch.Tensor  # (bucket, C, H, W): the graph's static input
-    output: torch.Tensor  # (bucket, classes): the graph's static output
+    # The graph's static outputs, in the model's order (`GraphEngine.output_widths`):
+    # logits (bucket, classes), then the embedding (bucket, D) if the model has one.
+    outputs: tuple[torch.Tensor, ...]
 
 
 class Slot:
@@ -69,7 +72,10 @@ class Slot:
         self.stream = torch.cuda.Stream(device)
         self.host_u8 = torch.empty((n, h, w, c), dtype=torch.uint8).pin_memory()
         self.host_f32 = torch.empty((n, c, h, w), dtype=torch.float32).pin_memory()
-        self.host_out = torch.empty((n, engine.info.num_classes), dtype=torch.float32).pin_memory()
+        self.host_out = tuple(
+            torch.empty((n, width), dtype=torch.float32).pin_memory()
+            for width in engine.output_widths()
+        )
         self.device_u8 = torch.empty((n, h, w, c), dtype=torch.uint8, device=device)
         self.graphs: dict[int, CapturedGraph] = {}
         for bucket in sorted(engine.buckets, reverse=True):  # largest first: pool reuse
@@ -90,6 +96,21 @@ class GraphEngine(Engine):
     @abc.abstractmethod
     def _capture(self, bucket: int, slot: Slot) -> CapturedGraph:
         """Warm up and capture the graph for `bucket` on `slot.stream`."""
+
+    def output_widths(self) -> tuple[int, ...]:
+        """The width of each static output: the classes, then the embedding's (if any)."""
+        info = self.info
+        return (info.num_classes, info.embedding_dim) if info.embedding_dim else (info.num_classes,)
+
+    def _check_outputs(self, outputs: tuple[torch.Tensor, ...], bucket: int) -> None:
+        shapes = [tuple(out.shape) for out in outputs]
+        expected = [(bucket, width) for width in self.output_widths()]
+        if shapes != expected:
+            raise EngineError(
+                f"the model's outputs have shapes {shapes}, expected {expected} (logits, "
+                f"then the embedding if model.json gives embedding_dim); re-run "
+                f"`raystream export`"
+            )
 
     def _start_slots(self, slots: int, plan_by_latency: bool) -> dict[int, float] | None:
         self._scale = self._shift = None  # uint8 normalization constants, made when needed
@@ -128,7 +149,7 @@ class GraphEngine(Engine):
         finally:
             self._slots.put(slot)
 
-    def _run(self, slot: Slot, n: int, fill: Fill) -> np.ndarray:
+    def _run(self, slot: Slot, n: int, fill: Fill) -> Outputs:
         lo = 0
         # Input the caller made on its own stream (crops joined on the GPU) is ready first.
         slot.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -138,12 +159,20 @@ class GraphEngine(Engine):
                 graph = slot.graphs[bucket]
                 fill(graph, lo, lo + count, count)
                 graph.graph.replay()
-                slot.host_out[lo : lo + count].copy_(graph.output[:count], non_blocking=True)
+                for host, output in zip(slot.host_out, graph.outputs, strict=True):
+                    host[lo : lo + count].copy_(output[:count], non_blocking=True)
                 lo += count
             wait_asleep(slot.stream)
-        return slot.host_out[:n].numpy().copy()
+        results = [host[:n].numpy().copy() for host in slot.host_out]
+        if len(results) == 1:
+            return Outputs.logits_only(results[0])
+        # Normalized on the GPU in the engine's dtype, whose rounding (FP16, BF16) leaves
+        # norms up to ~1e-3 from 1: exactly 1 again, in float32.
+        logits, embedding = results
+        embedding /= np.maximum(np.linalg.norm(embedding, axis=1, keepdims=True), 1e-12)
+        return Outputs(logits, embedding)
 
-    def _infer(self, batch: np.ndarray) -> np.ndarray:
+    def _infer(self, batch: np.ndarray) -> Outputs:
         n = len(batch)
         with self._slot() as slot:
             slot.host_f32[:n].numpy()[...] = batch
@@ -155,7 +184,7 @@ class GraphEngine(Engine):
 
     def infer_uint8(
         self, images: np.ndarray | torch.Tensor, mean: np.ndarray, std: np.ndarray
-    ) -> np.ndarray:
+    ) -> Outputs:
         """Upload uint8 crops (a quarter of float32's bytes) and normalize on the GPU. Crops
         already on this device (a tensor: engines/gpu_decode.py) are read where they are."""
         c, h, w = self.info.input_shape

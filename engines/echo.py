@@ -1,7 +1,8 @@
-"""A trivial engine for transport and batching benchmarks/tests: no model, fixed-size logits.
+"""A trivial engine for transport and batching benchmarks/tests: no model, fixed-size outputs.
 
 Never a stand-in for a result: it is selected only by `engine: {kind: echo}`, reports
-engine "echo", and its logits say nothing about the image (class 0 wins, always).
+engine "echo", and its outputs say nothing about the image (class 0 wins, always; every
+embedding is the first unit vector), with the model's shapes.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import time
 
 import numpy as np
 
-from engines.base import Engine, EngineInfo
+from engines.base import Engine, EngineInfo, Outputs
 from engines.repository import ModelRef
 
 
@@ -26,14 +27,17 @@ class EchoEngine(Engine):
             max_batch_size=max_batch_size,
             precision="none",
             device="cpu",
+            embedding_dim=model.spec.embedding_dim,
         )
 
-    def _infer(self, batch: np.ndarray) -> np.ndarray:
+    def _infer(self, batch: np.ndarray) -> Outputs:
         if self._delay_s:
             time.sleep(self._delay_s)
         logits = np.zeros((len(batch), self.info.num_classes), np.float32)
         logits[:, 0] = 1.0
-        return logits
+        embedding = np.zeros((len(batch), self.info.embedding_dim), np.float32)
+        embedding[:, :1] = 1.0
+        return Outputs(logits, embedding)
 
-    def infer_uint8(self, images: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    def infer_uint8(self, images: np.ndarray, mean: np.ndarray, std: np.ndarray) -> Outputs:
         return self._infer(images)  # skip normalization: this engine measures the pipeline

@@ -7,8 +7,8 @@ import logging
 import numpy as np
 import onnxruntime as ort
 
-from engines.base import Engine, EngineError, EngineInfo
-from engines.repository import ModelRef
+from engines.base import Engine, EngineError, EngineInfo, Outputs
+from engines.repository import OUTPUT_NAMES, ModelRef
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,14 @@ class OnnxRuntimeEngine(Engine):
         options.intra_op_num_threads = threads  # 0: one per physical core
         self._session = ort.InferenceSession(str(model.onnx_path), options, providers=providers)
         self._input = self._session.get_inputs()[0].name
+        dim = model.spec.embedding_dim
+        names = [output.name for output in self._session.get_outputs()]
+        expected = list(OUTPUT_NAMES if dim else OUTPUT_NAMES[:1])
+        if names != expected:
+            raise EngineError(
+                f"{model.onnx_path} has outputs {names}, its model.json says {expected}; "
+                f"re-run `raystream export`"
+            )
         size = model.spec.preprocess.input_size
         self.info = EngineInfo(
             engine="onnxruntime",
@@ -37,6 +45,7 @@ class OnnxRuntimeEngine(Engine):
             max_batch_size=max_batch_size,
             precision="fp32",
             device="cpu",
+            embedding_dim=dim,
         )
         logger.info(
             "ONNX Runtime %s session on %s (%s)",
@@ -45,8 +54,11 @@ class OnnxRuntimeEngine(Engine):
             ",".join(self._session.get_providers()),
         )
 
-    def _infer(self, batch: np.ndarray) -> np.ndarray:
-        return self._session.run(None, {self._input: batch})[0]
+    def _infer(self, batch: np.ndarray) -> Outputs:
+        results = self._session.run(None, {self._input: batch})
+        if len(results) == 1:
+            return Outputs.logits_only(results[0])
+        return Outputs(*results)
 
     def close(self) -> None:
         self._session = None

@@ -3,10 +3,15 @@
     models/efficientnet-lite0/1/
         model.onnx      ONNX (opset 17, dynamic batch): ONNX Runtime and TensorRT read it
         model.pt2       torch.export program: the torch-CUDA engine reads it
-        model.json      ModelSpec below: preprocessing, labels, hashes
+        model.json      ModelSpec below: preprocessing, labels, outputs, hashes
         engines/        TensorRT engines built from model.onnx, one per GPU/TensorRT version
 
 Versions are directory names; the highest integer version is the default.
+
+Both model files have two outputs, `logits` (N, classes) and `embedding` (N, D), the
+L2-normalized pooled features (`export_format` 2). A version written before embeddings
+existed (no `export_format` in its model.json: format 1) has `logits` only: it loads and
+serves labels, with `embedding_dim` 0.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from pathlib import Path
 import numpy as np
 
 SPEC_FILE = "model.json"
+# What `raystream export` writes now: 1 = logits only; 2 = logits and embedding.
+EXPORT_FORMAT = 2
+OUTPUT_NAMES = ("logits", "embedding")  # the model files' outputs, in this order
 ONNX_FILE = "model.onnx"
 TORCH_FILE = "model.pt2"
 
@@ -54,10 +62,21 @@ class ModelSpec:
     labels: tuple[str, ...]
     onnx_sha256: str
     source: str  # where the weights came from, for humans
+    export_format: int = 1  # EXPORT_FORMAT when written; model.json without it: 1
+    embedding_dim: int = 0  # width of the `embedding` output; 0: logits only
+    weights_sha256: str = ""  # digest of the weights exported (engines.export.weights_digest)
 
     @property
     def num_classes(self) -> int:
         return len(self.labels)
+
+    @property
+    def embedding_space(self) -> str:
+        """Names the space the vectors live in: vectors compare only within one. Any other
+        model, version or weights give another (empty: no embedding output)."""
+        if not self.embedding_dim:
+            return ""
+        return f"{self.name}/{self.version}/sha256:{self.weights_sha256[:16]}"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

@@ -26,11 +26,11 @@ from engines.buckets import buckets_up_to
 from engines.calibration import calibration_batches, calibration_images
 from engines.cuda_graphs import CapturedGraph, GraphEngine, Slot
 from engines.engine_cache import EngineKey, files_digest, optimization_profile
-from engines.repository import ModelRef
+from engines.repository import OUTPUT_NAMES, ModelRef
 
 logger = logging.getLogger(__name__)
 
-INPUT, OUTPUT = "input", "logits"  # tensor names written by `raystream export`
+INPUT = "input"  # tensor names written by `raystream export`; outputs: OUTPUT_NAMES
 
 
 def _import_tensorrt():
@@ -201,6 +201,7 @@ class TensorRTEngine(GraphEngine):
             max_batch_size=max_batch_size,
             precision=precision,
             device=str(self.device),
+            embedding_dim=model.spec.embedding_dim,
         )
         self._contexts: dict[int, object] = {}  # one execution context per slot
         self._start_slots(slots, plan_by_latency=True)
@@ -212,10 +213,14 @@ class TensorRTEngine(GraphEngine):
             ctx = self._contexts[id(slot)] = self._engine.create_execution_context()
         c, h, w = self.info.input_shape
         static_in = torch.randn((bucket, c, h, w), device=self.device)
-        static_out = torch.empty((bucket, self.info.num_classes), device=self.device)
+        # float32 outputs, as the ONNX model declares them (logits, then the embedding)
+        outputs = tuple(
+            torch.empty((bucket, width), device=self.device) for width in self.output_widths()
+        )
         ctx.set_input_shape(INPUT, (bucket, c, h, w))
         ctx.set_tensor_address(INPUT, static_in.data_ptr())
-        ctx.set_tensor_address(OUTPUT, static_out.data_ptr())
+        for name, output in zip(OUTPUT_NAMES, outputs, strict=False):
+            ctx.set_tensor_address(name, output.data_ptr())
         # One run outside capture lets TensorRT allocate and finish shape-dependent setup.
         if not ctx.execute_async_v3(slot.stream.cuda_stream):
             raise EngineError(f"TensorRT execute_async_v3 failed at batch {bucket}")
@@ -223,7 +228,7 @@ class TensorRTEngine(GraphEngine):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=slot.stream):
             ctx.execute_async_v3(slot.stream.cuda_stream)
-        return CapturedGraph(graph, static_in, static_out)
+        return CapturedGraph(graph, static_in, outputs)
 
     def close(self) -> None:
         super().close()

@@ -34,6 +34,7 @@ class TorchCudaEngine(GraphEngine):
         *,
         input_shape: tuple[int, int, int],
         num_classes: int,
+        embedding_dim: int = 0,
         max_batch_size: int = 64,
         precision: str = "fp16",
         device: str = "cuda",
@@ -42,7 +43,8 @@ class TorchCudaEngine(GraphEngine):
         plan_by_latency: bool = True,
         blocking_sync: bool = False,
     ) -> None:
-        """blocking_sync: every wait for the GPU in this process sleeps instead of spinning
+        """`module` returns the logits, or (logits, embedding) where `embedding_dim` > 0.
+        blocking_sync: every wait for the GPU in this process sleeps instead of spinning
         a core (cuda_graphs.sleep_in_every_gpu_wait), the nvJPEG decoder's included."""
         if precision not in DTYPES:
             raise EngineError(
@@ -64,6 +66,7 @@ class TorchCudaEngine(GraphEngine):
             max_batch_size=max_batch_size,
             precision=precision,
             device=str(self.device),
+            embedding_dim=embedding_dim,
         )
         torch.backends.cudnn.benchmark = True
         self._module = module.to(self.device, self.dtype).to(memory_format=torch.channels_last)
@@ -99,7 +102,11 @@ class TorchCudaEngine(GraphEngine):
             ) from exc
         size = model.spec.preprocess.input_size
         return cls(
-            module, input_shape=(3, size, size), num_classes=model.spec.num_classes, **options
+            module,
+            input_shape=(3, size, size),
+            num_classes=model.spec.num_classes,
+            embedding_dim=model.spec.embedding_dim,
+            **options,
         )
 
     def _capture(self, bucket: int, slot: Slot) -> CapturedGraph:
@@ -121,8 +128,10 @@ class TorchCudaEngine(GraphEngine):
         slot.stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=slot.stream):
-            static_out = fn(static_in)
-        return CapturedGraph(graph, static_in, static_out)
+            static_out = fn(static_in)  # both outputs of the one pass: both captured
+        outputs = tuple(static_out) if isinstance(static_out, tuple | list) else (static_out,)
+        self._check_outputs(outputs, bucket)
+        return CapturedGraph(graph, static_in, outputs)
 
     def close(self) -> None:
         super().close()

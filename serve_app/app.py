@@ -13,11 +13,10 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
-from engines import EngineInfo
 from engines.repository import resolve
 from serve_app.config import AppConfig, BatchingConfig, Group, deployment_name, groups
 from serve_app.ingress import Ingress
-from serve_app.messages import Answer, Batch
+from serve_app.messages import Answer, Batch, Served
 from serve_app.topology import StageGroup, StageHandle
 
 # Topology direct: the replica runs raystream on Serve's own event loop, not on a second
@@ -57,7 +56,7 @@ class Stages:
         batch = await self._group.run(batch)
         return batch if self._next is None else await self._next.run(batch)
 
-    async def info(self) -> tuple[str, str, EngineInfo]:
+    async def info(self) -> Served:
         """What is served: the model and the engine of the group that holds inference."""
         if self._group.inference is None:
             return await self._next.info()

@@ -18,7 +18,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from engines import EngineInfo
 from engines.scores import DEFAULT_TOP_K
 from serve_app.answers import failed, with_total_ms
 from serve_app.config import AppConfig
@@ -34,7 +33,7 @@ from serve_app.errors import (
     code_name,
     message_for,
 )
-from serve_app.messages import Answer, Batch, Failure, Job
+from serve_app.messages import Answer, Batch, Failure, Job, Served
 from serve_app.metrics import IngressMetrics
 
 logger = logging.getLogger(__name__)
@@ -55,14 +54,15 @@ class ServingCore:
     def __init__(
         self,
         config: AppConfig,
-        model: tuple[str, str, EngineInfo],
+        model: Served,
         run: Callable[[Batch], Awaitable[list[Answer]]],
     ) -> None:
-        """`model`: what is served (name, version, engine); `run`: one call through the
-        stages for a batch of jobs, answering each."""
+        """`model`: what is served; `run`: one call through the stages for a batch of jobs,
+        answering each."""
         self._config = config
         self._limits = config.limits
-        self.name, self.version, self.engine = model
+        self.name, self.version, self.engine = model.name, model.version, model.engine
+        self.embedding_space = model.embedding_space
         self._run = run
         self._dispatcher = Dispatcher(
             self._call,
@@ -96,6 +96,15 @@ class ServingCore:
         if not 1 <= top_k <= self.engine.num_classes:
             raise InvalidArgument(f"top_k must be in 1..{self.engine.num_classes}, got {requested}")
         return top_k
+
+    def check_embedding(self) -> None:
+        """A request for embeddings needs a model that has them."""
+        if not self.engine.embedding_dim:
+            raise InvalidArgument(
+                f"model {self.name!r} version {self.version!r} has no embedding output (it "
+                f"was exported before embeddings existed); export a new version with "
+                f"`raystream export` to get them"
+            )
 
     def bounded_id(self, request_id: str) -> str:
         """`request_id` as answers echo it: cut to `max_request_id_chars` (the request is

@@ -4,8 +4,10 @@ replica itself in topology `direct` (serve_app/topology.py).
 
 A call brings a whole Batch (many requests); its images are cut into pieces of at most
 `max_batch_size` that join the batcher's queue, so one engine batch can hold images of several
-calls (and streams, and ingress replicas). The results come back as top-k arrays for the
-whole call, not per request: work here is per batch.
+calls (and streams, and ingress replicas). One engine pass gives every image's logits and
+embedding; the results come back as arrays for the whole call, not per request: top-k for
+the rows of jobs that asked for labels, embeddings where a job asked for them. Work here is
+per batch.
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ from dataclasses import dataclass
 import numpy as np
 from ray import serve
 
-from engines import Engine, EngineInfo, create_engine
+from engines import Engine, EngineInfo, Outputs, create_engine
 from engines import scores as postprocessing
 from engines.repository import ModelRef
 from serve_app.batching import AdaptiveWait, DynamicBatcher
 from serve_app.config import AppConfig, BatchingConfig
 from serve_app.errors import Code, code_for, message_for
-from serve_app.messages import NO_OWNERS, Batch, Failure, StageTiming
+from serve_app.messages import NO_OWNERS, Batch, Failure, Job, StageTiming
 from serve_app.metrics import InferenceMetrics
 
 logger = logging.getLogger(__name__)
@@ -42,7 +44,7 @@ DECODE_PIECE = 32
 
 @dataclass(frozen=True)
 class _Ran:
-    logits: np.ndarray
+    outputs: Outputs
     started: float  # perf_counter() when its engine batch started
     inference_ms: float
     batch_size: int
@@ -187,7 +189,7 @@ class InferenceStage:
             *(self._score(pixels, batch, owners) for pixels, owners in groups),
             return_exceptions=True,
         )
-        owners, logits, ran = [], [], []
+        owners, outputs, ran = [], [], []
         failures = dict(batch.job_failures)
         for (_, group_owners), result in zip(groups, results, strict=True):
             if isinstance(result, BaseException):  # refused (full queue) or expired
@@ -198,19 +200,18 @@ class InferenceStage:
                     failures.setdefault(job, failure)
                 continue
             owners.append(group_owners)
-            logits.append(result[0])
+            outputs.append(result[0])
             ran.extend(result[1])
         batch = batch.replace(job_failures=failures)
-        if not logits:
+        if not outputs:
             return batch.replace(owners=NO_OWNERS)
         owners = np.concatenate(owners)
-        logits = np.concatenate(logits)
+        outputs = Outputs.concat(outputs)
         keep = np.fromiter((j not in failures for j in owners[:, 0].tolist()), bool, len(owners))
-        owners, logits = owners[keep], logits[keep]
+        if not keep.all():
+            owners, outputs = owners[keep], outputs.take(keep)
         live = [batch.jobs[j] for j in set(owners[:, 0].tolist())]
-        k = min(max((job.top_k for job in live), default=1), logits.shape[1])
-        top_ids, top_scores = postprocessing.top_k_softmax(logits, k)
-        wants_scores = any(job.scores for job in live)
+        top_ids, top_scores = _top_k(outputs.logits, owners, batch.jobs)
         timing = StageTiming(
             preprocess_ms=batch.timing.preprocess_ms,
             queue_ms=max((r.started - start) * 1000.0 for r in ran),
@@ -223,7 +224,10 @@ class InferenceStage:
             owners=owners,
             top_ids=top_ids,
             top_scores=top_scores,
-            probabilities=postprocessing.softmax(logits) if wants_scores else None,
+            probabilities=(
+                postprocessing.softmax(outputs.logits) if any(j.scores for j in live) else None
+            ),
+            embeddings=outputs.embedding if any(j.embedding for j in live) else None,
             timing=timing,
         )
 
@@ -273,18 +277,15 @@ class InferenceStage:
                 groups.append((job.pixels, owners))
         return groups
 
-    async def _score(
-        self, pixels, batch: Batch, owners: np.ndarray
-    ) -> tuple[np.ndarray, list[_Ran]]:
-        """Logits for `pixels`, in pieces that batch independently; the earliest deadline of
-        their jobs drops the whole group if it passes while queued."""
+    async def _score(self, pixels, batch: Batch, owners: np.ndarray) -> tuple[Outputs, list[_Ran]]:
+        """The outputs for `pixels`, in pieces that batch independently; the earliest
+        deadline of their jobs drops the whole group if it passes while queued."""
         deadlines = [batch.jobs[j].deadline for j in set(owners[:, 0].tolist())]
         deadline = None if None in deadlines else min(deadlines)
         ran = await _in_pieces(
             lambda piece: self._submit(piece, deadline), pixels, self._batching.max_batch_size
         )
-        logits = ran[0].logits if len(ran) == 1 else np.concatenate([r.logits for r in ran])
-        return logits, ran
+        return Outputs.concat([r.outputs for r in ran]), ran
 
     async def _submit(self, pixels, deadline: float | None) -> _Ran:
         if self._batching.batcher == "serve" and _kind(pixels) == "uint8":
@@ -302,7 +303,7 @@ class InferenceStage:
         return await self._run_engine(pieces)
 
     async def _run_engine(self, pieces: list) -> list[_Ran]:
-        """One engine batch from several pieces; its logits split back per piece."""
+        """One engine batch from several pieces; its outputs split back per piece."""
         start = time.perf_counter()
         kind = _kind(pieces[0])
         if len(pieces) == 1:
@@ -315,9 +316,9 @@ class InferenceStage:
             pixels = np.concatenate(pieces)
         loop = asyncio.get_running_loop()
         if kind == "float32":
-            logits = await loop.run_in_executor(self._executor, self._engine.infer, pixels)
+            outputs = await loop.run_in_executor(self._executor, self._engine.infer, pixels)
         else:
-            logits = await loop.run_in_executor(
+            outputs = await loop.run_in_executor(
                 self._executor, self._engine.infer_uint8, pixels, self._mean, self._std
             )
         inference_ms = ms_since(start)
@@ -325,7 +326,7 @@ class InferenceStage:
         self._metrics.batch_size.observe(len(pixels))
         bounds = itertools.accumulate((len(piece) for piece in pieces), initial=0)
         return [
-            _Ran(logits[lo:hi], start, inference_ms, len(pixels))
+            _Ran(outputs.rows(lo, hi), start, inference_ms, len(pixels))
             for lo, hi in itertools.pairwise(bounds)
         ]
 
@@ -392,6 +393,26 @@ class InferenceStage:
         await loop.run_in_executor(
             self._executor, self._engine.infer_uint8, crops, self._mean, self._std
         )
+
+
+def _top_k(
+    logits: np.ndarray, owners: np.ndarray, jobs: tuple[Job, ...]
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Top-k ids and probabilities, k the largest top_k asked, computed only for the rows of
+    jobs that asked for labels (the softmax is most of the cost); other rows are zeros.
+    None, None if no job asked."""
+    wanted = np.fromiter((jobs[j].labels for j in owners[:, 0].tolist()), bool, len(owners))
+    if not wanted.any():
+        return None, None
+    asked = set(owners[wanted, 0].tolist())
+    k = min(max(jobs[j].top_k for j in asked), logits.shape[1])
+    if wanted.all():
+        return postprocessing.top_k_softmax(logits, k)
+    ids, scores = postprocessing.top_k_softmax(logits[wanted], k)
+    top_ids = np.zeros((len(logits), k), ids.dtype)
+    top_scores = np.zeros((len(logits), k), scores.dtype)
+    top_ids[wanted], top_scores[wanted] = ids, scores
+    return top_ids, top_scores
 
 
 def _take_rows(pixels, rows: np.ndarray):

@@ -101,15 +101,14 @@ class Ingress:
         await self._server.start()
         for service_name in ("", *SERVICE_NAMES):
             await self._health.set(service_name, health_pb2.HealthCheckResponse.SERVING)
-        name, version, engine = model
         logger.info(
             "raystream ready: gRPC on %s:%d serving %s/%s on %s (%s)",
             self._config.host,
             self._port,
-            name,
-            version,
-            engine.engine,
-            engine.device,
+            model.name,
+            model.version,
+            model.engine.engine,
+            model.engine.device,
         )
 
     async def _chain(self, batch: Batch) -> list[Answer]:

@@ -3,8 +3,8 @@ request or one image per message. Frozen dataclasses of tuples and arrays (cheap
 through Ray). No protocol here: the gRPC adapters turn requests into Jobs, and the answer
 formats (serve_app/answers.py) turn outcomes into each protocol's response bytes.
 
-    ingress --Batch(jobs)--> Preprocess --Batch(+crops)--> Inference --Batch(+scores)-->
-            Postprocess --list[Answer]--> ingress
+    ingress --Batch(jobs)--> Preprocess --Batch(+crops)--> Inference --Batch(+scores,
+            +embeddings)--> Postprocess --list[Answer]--> ingress
 
 A row of `crops` (or of `tensors`) is one image; `owners[r] = (job, image)` says whose.
 """
@@ -13,20 +13,33 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
+
+from engines import EngineInfo
 
 NO_OWNERS = np.empty((0, 2), np.int32)
 
 
 @dataclass(frozen=True)
-class OipOutput:
-    """An Open Inference Protocol output a request asked for: `k` labels, or 0 for every
-    class's probability."""
+class Served:
+    """What an ingress serves, as the group holding inference reports it."""
 
     name: str
-    k: int
+    version: str
+    engine: EngineInfo
+    embedding_space: str  # ModelSpec.embedding_space: "" without an embedding output
+
+
+@dataclass(frozen=True)
+class OipOutput:
+    """An Open Inference Protocol output a request asked for: every class's probability,
+    `k` labels, or the embedding."""
+
+    name: str
+    kind: Literal["probabilities", "labels", "embedding"]
+    k: int = 0  # labels per image (kind labels)
 
 
 @dataclass(frozen=True)
@@ -37,7 +50,9 @@ class Job:
     images: tuple[bytes, ...] = ()  # encoded images, or
     pixels: np.ndarray | None = None  # float32 (N, C, H, W) preprocessed by the client
     top_k: int = 5
-    scores: bool = False  # also every class's probability per image
+    labels: bool = True  # the top_k labels per image (computed only for jobs that ask)
+    scores: bool = False  # every class's probability per image
+    embedding: bool = False  # the embedding per image (carried only for jobs that ask)
     deadline: float | None = None  # time.time() past which nobody waits for the answer
     flow: str = ""  # the stream or connection it came on: flows share the decoders in turn
     protocol: str = "v1"  # "v1" or "oip": the answer's format (serve_app/answers.py)
@@ -82,11 +97,13 @@ class Batch:
     # Images that failed, by (job, image); jobs that failed as a whole, by job.
     image_failures: dict[tuple[int, int], Failure] = field(default_factory=dict)
     job_failures: dict[int, Failure] = field(default_factory=dict)
-    # Set by the inference stage, one row per image that ran (crops, then client tensors):
+    # Set by the inference stage, one row per image that ran (crops, then client tensors);
+    # each array only if a job asked for it (rows of the other jobs are zeros):
     owners: np.ndarray = field(default_factory=lambda: NO_OWNERS)
     top_ids: np.ndarray | None = None  # int (rows, k), best first
     top_scores: np.ndarray | None = None  # float32 (rows, k): softmax probabilities
     probabilities: np.ndarray | None = None  # float32 (rows, classes) where a job asked
+    embeddings: np.ndarray | None = None  # float32 (rows, D) where a job asked
     timing: StageTiming = field(default_factory=StageTiming)
 
     def replace(self, **changes: Any) -> Batch:

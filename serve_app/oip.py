@@ -10,6 +10,8 @@ Model interface:
 - output `probabilities`: FP32 [N, classes], softmax scores (the default output).
 - output `labels` (or any requested output with the `classification` parameter k, Triton's
   classification extension): BYTES [N, k], elements "score:class_id:name", best first.
+- output `embedding`: FP32 [N, D], each image's L2-normalized embedding (a model exported
+  with one; ModelMetadata lists it then).
 OIP has no per-item errors: a request with a bad image fails as a whole with
 INVALID_ARGUMENT naming the image. ModelStreamInfer runs requests concurrently and answers
 each in its own ModelStreamInferResponse (completion order, with its `id`), with
@@ -27,6 +29,7 @@ import numpy as np
 from engines.scores import DEFAULT_TOP_K
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
+from serve_app.answers import OIP_EMBEDDING as EMBEDDING
 from serve_app.answers import OIP_IMAGES as INPUT
 from serve_app.answers import OIP_LABELS as LABELS
 from serve_app.answers import OIP_PIXELS as PIXELS
@@ -85,8 +88,8 @@ def _images(request: oip.ModelInferRequest) -> tuple[bytes, ...]:
     return tuple(images)
 
 
-def _outputs(request: oip.ModelInferRequest) -> tuple[OipOutput, ...]:
-    """Requested outputs, each with how many labels it needs (0: every class's probability)."""
+def _outputs(request: oip.ModelInferRequest, embedding_dim: int) -> tuple[OipOutput, ...]:
+    """Requested outputs: every class's probability, k labels, or the embedding."""
     outputs = []
     for output in request.outputs or [
         oip.ModelInferRequest.InferRequestedOutputTensor(name=SCORES)
@@ -97,13 +100,14 @@ def _outputs(request: oip.ModelInferRequest) -> tuple[OipOutput, ...]:
             else 0
         )
         if output.name == SCORES and not k:
-            outputs.append(OipOutput(SCORES, 0))
+            outputs.append(OipOutput(SCORES, "probabilities"))
         elif output.name == LABELS or k:
-            outputs.append(OipOutput(output.name, k or DEFAULT_TOP_K))
+            outputs.append(OipOutput(output.name, "labels", k or DEFAULT_TOP_K))
+        elif output.name == EMBEDDING and embedding_dim:
+            outputs.append(OipOutput(EMBEDDING, "embedding"))
         else:
-            raise InvalidArgument(
-                f"unknown output {clip(output.name)!r}; outputs: {SCORES}, {LABELS}"
-            )
+            names = f"{SCORES}, {LABELS}" + (f", {EMBEDDING}" if embedding_dim else "")
+            raise InvalidArgument(f"unknown output {clip(output.name)!r}; outputs: {names}")
     return tuple(outputs)
 
 
@@ -122,7 +126,7 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
                 f"expected one input tensor, {INPUT!r} (BYTES) or {PIXELS!r} (FP32), "
                 f"got {clip(str(names))}"
             )
-        outputs = _outputs(request)
+        outputs = _outputs(request, core.engine.embedding_dim)
         top_k = core.top_k(max(output.k for output in outputs) or 1)
         if names == [PIXELS]:
             pixels, images = _pixels(request, core.engine.input_shape), ()
@@ -133,7 +137,9 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
             images=images,
             pixels=pixels,
             top_k=top_k,
-            scores=any(output.k == 0 for output in outputs),
+            labels=any(output.kind == "labels" for output in outputs),
+            scores=any(output.kind == "probabilities" for output in outputs),
+            embedding=any(output.kind == "embedding" for output in outputs),
             flow=flow,
             protocol="oip",
             oip_outputs=outputs,
@@ -229,5 +235,10 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
             outputs=[
                 tensor(name=SCORES, datatype="FP32", shape=[-1, engine.num_classes]),
                 tensor(name=LABELS, datatype="BYTES", shape=[-1, -1]),
+                *(
+                    [tensor(name=EMBEDDING, datatype="FP32", shape=[-1, engine.embedding_dim])]
+                    if engine.embedding_dim
+                    else []
+                ),
             ],
         )

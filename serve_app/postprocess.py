@@ -1,6 +1,6 @@
-"""The postprocess stage: each job's answer, in its protocol, from the batch's top-k arrays
-(serve_app/answers.py). Plain code: the Postprocess deployment hosts it, or the Inference
-deployment or the ingress where the topology fuses them."""
+"""The postprocess stage: each job's answer, in its protocol, from the batch's top-k and
+embedding arrays (serve_app/answers.py). Plain code: the Postprocess deployment hosts it, or
+the Inference deployment or the ingress where the topology fuses them."""
 
 from __future__ import annotations
 
@@ -15,12 +15,11 @@ from serve_app.messages import Answer, Batch
 
 class PostprocessStage:
     def __init__(self, spec: ModelSpec) -> None:
-        self._labels = spec.labels
-        self._model = (spec.name, spec.version)
+        self._spec = spec
 
     async def run(self, batch: Batch) -> list[Answer]:
         start = time.perf_counter()
-        answers = answer_all(batch, self._labels, self._model)
+        answers = answer_all(batch, self._spec)
         ms = (time.perf_counter() - start) * 1000.0
         # The time is known once the answers are built: merged into each v1 answer's bytes.
         merged = pb.ClassifyResponse(timing=pb.Timing(postprocess_ms=ms)).SerializeToString()

@@ -21,10 +21,9 @@ import os
 
 from ray.serve.handle import DeploymentHandle
 
-from engines import EngineInfo
 from serve_app.config import AppConfig, Group
 from serve_app.inference import InferenceStage
-from serve_app.messages import Answer, Batch
+from serve_app.messages import Answer, Batch, Served
 from serve_app.metrics import resident_memory_bytes
 from serve_app.postprocess import PostprocessStage
 from serve_app.preprocess import PreprocessStage, load_model
@@ -42,7 +41,7 @@ class StageHandle:
     async def run(self, batch: Batch) -> Batch | list[Answer]:
         return await self._handle.run.remote(batch)
 
-    async def info(self) -> tuple[str, str, EngineInfo]:
+    async def info(self) -> Served:
         return await self._handle.info.remote()
 
 
@@ -77,9 +76,12 @@ class StageGroup:
             return await self.postprocess.run(batch)
         return batch
 
-    def info(self) -> tuple[str, str, EngineInfo | None]:
-        engine = None if self.inference is None else self.inference.info
-        return self.model.name, self.model.version, engine
+    def info(self) -> Served:
+        """What is served: only the group that holds inference knows its engine."""
+        if self.inference is None:
+            raise ValueError("only the group that holds inference knows what is served")
+        model = self.model
+        return Served(model.name, model.version, self.inference.info, model.embedding_space)
 
     def reconfigure(self, user_config: dict) -> None:
         if self.inference is None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -32,6 +32,21 @@ def budget_s(timeout_ms: int, context: grpc.aio.ServicerContext | None) -> float
     if remaining is not None:
         budgets.append(max(remaining, 0.0))
     return min(budgets) if budgets else None
+
+
+def outputs(requested: Sequence[int]) -> tuple[bool, bool]:
+    """(labels, embedding): what a request's `outputs` ask for; empty means labels."""
+    labels = embedding = False
+    for value in requested or (pb.LABELS,):
+        if value in (pb.OUTPUT_UNSPECIFIED, pb.LABELS):
+            labels = True
+        elif value == pb.EMBEDDING:
+            embedding = True
+        else:
+            raise InvalidArgument(
+                f"unknown output {value}; outputs: LABELS ({pb.LABELS}), EMBEDDING ({pb.EMBEDDING})"
+            )
+    return labels, embedding
 
 
 @dataclass(frozen=True)
@@ -95,6 +110,9 @@ class ClassifierService:
             core.check_id(request.request_id)
             core.check_model(request.model)
             top_k = core.top_k(request.top_k)
+            labels, embedding = outputs(request.outputs)
+            if embedding:
+                core.check_embedding()
             pixels = None
             if request.HasField("pixels"):
                 if request.images:
@@ -108,6 +126,8 @@ class ClassifierService:
                 images=tuple(request.images),
                 pixels=pixels,
                 top_k=top_k,
+                labels=labels,
+                embedding=embedding,
                 flow=flow,
             )
             core.check_count(job.count)
@@ -189,4 +209,6 @@ class ClassifierService:
             num_classes=engine.num_classes,
             max_batch_size=engine.max_batch_size,
             precision=engine.precision,
+            embedding_dim=engine.embedding_dim,
+            embedding_space=core.embedding_space,
         )

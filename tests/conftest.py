@@ -10,6 +10,8 @@ import io
 import os
 import random
 import socket
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,13 +45,13 @@ def photos() -> dict[str, bytes]:
 
 @pytest.fixture(scope="session")
 def model_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The repository `make test` exported into; exported afresh when run without make (with
-    the torch weights where a CUDA GPU is, which the torch-cuda engine loads)."""
-    from engines.export import export_model
-    from engines.repository import list_versions
+    """The repository `make test` exported into, if its newest version is in the current
+    export format (logits and embedding); else exported afresh into a temporary folder (with
+    the torch program where a CUDA GPU is, which the torch-cuda engine loads)."""
+    from engines.export import export_model, is_current
 
     repo = ROOT / "models"
-    if list_versions(repo, "efficientnet-lite0"):
+    if is_current(repo, "efficientnet-lite0"):
         return repo
     import torch  # only to export: importing it costs seconds
 
@@ -66,39 +68,130 @@ def model(model_repository: Path):
 
 
 @pytest.fixture(scope="session")
-def engine_reference(model) -> tuple[np.ndarray, np.ndarray]:
-    """Real photos and the FP32 torch model's softmax on them: the engines' ground truth."""
-    import torch
+def labels_only_repository(model, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A repository holding the model as the export format 1 (before embeddings) wrote it:
+    model.onnx with the `logits` output only, model.json without the embedding fields."""
+    import json
 
-    from engines.export import EXPORTABLE, check_photos
-    from engines.scores import softmax
+    import onnx
+
+    from engines.repository import ONNX_FILE, SPEC_FILE
+
+    root = tmp_path_factory.mktemp("labels-only")
+    target = root / model.spec.name / "1"
+    target.mkdir(parents=True)
+    graph = onnx.load(str(model.onnx_path))
+    del graph.graph.output[1:]  # ONNX Runtime drops the nodes nothing reads any more
+    onnx.save(graph, str(target / ONNX_FILE))
+    spec = json.loads(model.spec.to_json())
+    for key in ("export_format", "embedding_dim", "weights_sha256"):
+        del spec[key]
+    (target / SPEC_FILE).write_text(json.dumps({**spec, "version": "1"}))
+    return root
+
+
+class TorchModel:
+    """The FP32 torch model (EfficientNet-Lite0, pretrained), run directly: the ground truth
+    of every engine and of the server. Its embedding is read with a hook on the classifier's
+    input, apart from the exported model's own embedding output."""
+
+    def __init__(self) -> None:
+        from engines.export import EXPORTABLE
+
+        self.net = EXPORTABLE["efficientnet-lite0"].build().eval()
+
+    def __call__(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """float32 (N, C, H, W) preprocessed images -> (softmax, L2-normalized embedding)."""
+        import torch
+
+        from engines.scores import softmax
+
+        pooled: list = []
+        hook = self.net._fc.register_forward_pre_hook(lambda _, args: pooled.append(args[0]))
+        try:
+            with torch.inference_mode():
+                logits = self.net(torch.from_numpy(batch)).numpy()
+        finally:
+            hook.remove()
+        features = pooled[0].numpy().astype(np.float64)
+        return softmax(logits), features / np.linalg.norm(features, axis=1, keepdims=True)
+
+
+@pytest.fixture(scope="session")
+def torch_model() -> TorchModel:
+    return TorchModel()
+
+
+@pytest.fixture(scope="session")
+def torch_embedding(model, torch_model) -> Callable[[list[bytes]], np.ndarray]:
+    """Encoded images -> the torch model's embeddings, preprocessed as the server does."""
+    from engines.base import normalize
+    from engines.images import decode
+
+    spec = model.spec.preprocess
+
+    def embed(images: list[bytes]) -> np.ndarray:
+        crops = np.stack([decode(image, spec) for image in images])
+        return torch_model(normalize(crops, spec.mean_array, spec.std_array))[1]
+
+    return embed
+
+
+@dataclass(frozen=True)
+class Reference:
+    batch: np.ndarray  # real photos, preprocessed as the server does: (N, C, H, W) float32
+    probabilities: np.ndarray  # the FP32 torch model's softmax
+    embedding: np.ndarray  # its pooled features (its classifier's input), L2-normalized
+
+
+@pytest.fixture(scope="session")
+def engine_reference(model, torch_model) -> Reference:
+    """Real photos and the FP32 torch model's outputs on them: the engines' ground truth."""
+    from engines.export import check_photos
 
     batch = check_photos(model.spec.preprocess)
-    net = EXPORTABLE["efficientnet-lite0"].build().eval()
-    with torch.inference_mode():
-        return batch, softmax(net(torch.from_numpy(batch)).numpy())
+    return Reference(batch, *torch_model(batch))
 
 
-def check_engine_parity(model, reference, kind: str, precision: str, atol: float) -> None:
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise cosine similarity."""
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def check_engine_parity(
+    model, reference: Reference, kind: str, precision: str, atol: float, min_cosine: float
+) -> None:
     """The one parity test every engine must pass: the reference's winners and softmax within
-    `atol`, whatever the batch composition and whatever sits in a bucket's padding."""
+    `atol`, its embedding within `min_cosine` and of norm 1, whatever the batch composition
+    and whatever sits in a bucket's padding."""
     from engines import create_engine
     from engines.scores import softmax
 
-    batch, expected = reference
+    batch = reference.batch
     with create_engine(kind, model, max_batch_size=8, precision=precision) as engine:
         engine.warmup()
-        got = softmax(engine.infer(batch))
-        np.testing.assert_array_equal(got.argmax(1), expected.argmax(1))
-        assert np.abs(got - expected).max() <= atol
+        assert engine.info.embedding_dim == reference.embedding.shape[1]
+        out = engine.infer(batch)
+        got = softmax(out.logits)
+        np.testing.assert_array_equal(got.argmax(1), reference.probabilities.argmax(1))
+        assert np.abs(got - reference.probabilities).max() <= atol
+        assert out.embedding.dtype == np.float32
+        assert cosines(out.embedding, reference.embedding).min() >= min_cosine
+        np.testing.assert_allclose(np.linalg.norm(out.embedding, axis=1), 1.0, atol=1e-5)
         # Batch composition changes nothing beyond the precision's tolerance...
-        singles = np.concatenate([softmax(engine.infer(batch[i : i + 1])) for i in range(3)])
-        three = softmax(engine.infer(batch[:3]))
-        np.testing.assert_array_equal(three.argmax(1), singles.argmax(1))
-        assert np.abs(three - singles).max() <= atol
+        singles = [engine.infer(batch[i : i + 1]) for i in range(3)]
+        three = engine.infer(batch[:3])
+        single_probs = np.concatenate([softmax(s.logits) for s in singles])
+        np.testing.assert_array_equal(softmax(three.logits).argmax(1), single_probs.argmax(1))
+        assert np.abs(softmax(three.logits) - single_probs).max() <= atol
+        single_embedding = np.concatenate([s.embedding for s in singles])
+        assert cosines(three.embedding, single_embedding).min() >= min_cosine
         # ...and what sits in the padding of a bucket (3 runs padded to 4) changes nothing.
         engine.infer(batch[[3, 3, 3, 3]])  # leaves image 3 in the padding row
-        np.testing.assert_array_equal(softmax(engine.infer(batch[:3])), three)
+        again = engine.infer(batch[:3])
+        np.testing.assert_array_equal(again.logits, three.logits)
+        np.testing.assert_array_equal(again.embedding, three.embedding)
 
 
 @pytest.fixture(scope="session")

@@ -123,3 +123,39 @@ async def test_preprocessed_fp32_input_gives_the_same_scores(server, photos, mod
             await stub.ModelInfer(wrong)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "[N, 3, 224, 224]" in err.value.details()
+
+
+async def test_embedding_output(server, photos, torch_embedding) -> None:
+    """Output `embedding`: FP32 [N, 1280], each row the torch model's vector (norm 1),
+    requestable beside the other outputs, on ModelInfer and ModelStreamInfer; ModelMetadata
+    lists it."""
+    from conftest import cosines
+
+    images = [photos["chelsea"], photos["coffee"]]
+    async with grpc.aio.insecure_channel(server) as channel:
+        stub = oip_grpc.GRPCInferenceServiceStub(channel)
+        meta = await stub.ModelMetadata(oip.ModelMetadataRequest(name="efficientnet-lite0"))
+        assert [(o.name, o.datatype, list(o.shape)) for o in meta.outputs][2:] == [
+            ("embedding", "FP32", [-1, 1280])
+        ]
+        reply = await stub.ModelInfer(_request(images, outputs=[("labels", 1), ("embedding", 0)]))
+        assert [(o.name, o.datatype, list(o.shape)) for o in reply.outputs] == [
+            ("labels", "BYTES", [2, 1]),
+            ("embedding", "FP32", [2, 1280]),
+        ]
+        vectors = np.frombuffer(reply.raw_output_contents[1], "<f4").reshape(2, 1280)
+        assert cosines(vectors, torch_embedding(images)).min() >= 0.9999
+        np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+        (streamed,) = [
+            r
+            async for r in stub.ModelStreamInfer(
+                iter([_request(images[:1], outputs=[("embedding", 0)], request_id="s")])
+            )
+        ]
+        assert not streamed.error_message
+        one = np.frombuffer(streamed.infer_response.raw_output_contents[0], "<f4")
+        assert cosines(one[None], vectors[:1])[0] >= 0.9999
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ModelInfer(_request(images, outputs=[("embeddings", 0)]))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "outputs: probabilities, labels, embedding" in err.value.details()

@@ -7,6 +7,7 @@ import random
 import time
 
 import numpy as np
+import pytest
 
 from clients.loadgen import Workload, _requests
 from raystream.v1 import classifier_pb2 as pb
@@ -45,3 +46,37 @@ def test_encoded_pixel_requests_hold_batch_size_rows() -> None:
     assert _sent(workload, 2) == [
         pb.ClassifyRequest(request_id=f"s0-{i}", top_k=5, pixels=tensor) for i in range(2)
     ]
+
+
+def test_the_benchmark_loader_asks_for_its_outputs_and_counts_missing_ones() -> None:
+    """bench/load.py: requests carry `outputs`; an image answered OK without what it asked
+    for is counted, so a server that drops embeddings cannot pass for a fast one."""
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import load
+
+    for outputs, expected in [
+        ("labels", []),
+        ("embedding", [pb.EMBEDDING]),
+        ("labels,embedding", [pb.LABELS, pb.EMBEDDING]),
+    ]:
+        spec = load.LoadSpec(target="x", images=2, outputs=outputs)
+        request_id, data = load._Requests(spec, [b"a", b"b", b"c"], 0).next()
+        request = pb.ClassifyRequest.FromString(data)
+        assert request.request_id == request_id and list(request.outputs) == expected
+        assert list(request.images) == [b"a", b"b"]
+    with pytest.raises(ValueError, match="outputs must name labels and/or embedding"):
+        load.LoadSpec(target="x", outputs="labels,vectors").wanted()
+
+    stats = load._Stats((0.0, 1e12), (True, True))
+    response = pb.ClassifyResponse(request_id="r")
+    response.results.add().labels.add(class_id=1)  # no embedding: missing
+    both = response.results.add()
+    both.labels.add(class_id=1)
+    both.embedding.values.append(1.0)
+    response.results.add().error.code = 3  # failed: nothing is missing
+    stats.answer(response, 1.0, {"r": 0.5})
+    assert stats.outputs_missing == 1 and stats.image_codes == {0: 2, 3: 1}

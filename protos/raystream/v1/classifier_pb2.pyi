@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -6,21 +7,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Output(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTPUT_UNSPECIFIED: _ClassVar[Output]
+    LABELS: _ClassVar[Output]
+    EMBEDDING: _ClassVar[Output]
+OUTPUT_UNSPECIFIED: Output
+LABELS: Output
+EMBEDDING: Output
+
 class ClassifyRequest(_message.Message):
-    __slots__ = ("request_id", "images", "top_k", "model", "timeout_ms", "pixels")
+    __slots__ = ("request_id", "images", "top_k", "model", "timeout_ms", "pixels", "outputs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     PIXELS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     images: _containers.RepeatedScalarFieldContainer[bytes]
     top_k: int
     model: str
     timeout_ms: int
     pixels: Tensor
-    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., top_k: _Optional[int] = ..., model: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., pixels: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    outputs: _containers.RepeatedScalarFieldContainer[Output]
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., top_k: _Optional[int] = ..., model: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., pixels: _Optional[_Union[Tensor, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("shape", "data")
@@ -43,12 +55,20 @@ class ClassifyResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., results: _Optional[_Iterable[_Union[ImageResult, _Mapping]]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
 
 class ImageResult(_message.Message):
-    __slots__ = ("labels", "error")
+    __slots__ = ("labels", "error", "embedding")
     LABELS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     labels: _containers.RepeatedCompositeFieldContainer[Label]
     error: Error
-    def __init__(self, labels: _Optional[_Iterable[_Union[Label, _Mapping]]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    embedding: Embedding
+    def __init__(self, labels: _Optional[_Iterable[_Union[Label, _Mapping]]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., embedding: _Optional[_Union[Embedding, _Mapping]] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Label(_message.Message):
     __slots__ = ("class_id", "name", "score")
@@ -91,7 +111,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "version", "engine", "input_shape", "num_classes", "max_batch_size", "precision")
+    __slots__ = ("name", "version", "engine", "input_shape", "num_classes", "max_batch_size", "precision", "embedding_dim", "embedding_space")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +119,8 @@ class ModelInfo(_message.Message):
     NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DIM_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_SPACE_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     engine: str
@@ -106,4 +128,6 @@ class ModelInfo(_message.Message):
     num_classes: int
     max_batch_size: int
     precision: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., engine: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., precision: _Optional[str] = ...) -> None: ...
+    embedding_dim: int
+    embedding_space: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., engine: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., precision: _Optional[str] = ..., embedding_dim: _Optional[int] = ..., embedding_space: _Optional[str] = ...) -> None: ...
