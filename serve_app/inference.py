@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 from ray import serve
@@ -34,12 +34,14 @@ from serve_app.messages import NO_OWNERS, Batch, Failure, Job, StageTiming
 from serve_app.metrics import InferenceMetrics
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R")
 
 MAX_CONCURRENT_BATCHES = 2  # GPU engines hold this many slots (engines/cuda_graphs.py)
-# decode: gpu: nvJPEG calls at once, each of at most DECODE_PIECE JPEGs. Part of nvJPEG's
-# work runs on the calling CPU thread, so calls in parallel matter more than their size.
-DECODE_THREADS = 4
-DECODE_PIECE = 32
+# decode: gpu: JPEGs per nvJPEG call. One decode thread takes everything queued (calls from
+# every ingress replica) up to this: torchvision decodes under a process-wide lock anyway,
+# and on an H200 a call of 64 costs 0.12 ms of CPU an image where calls of 8 from four
+# threads cost 0.40 (bench/gpu_decode_bench.py).
+DECODE_BATCH = 128
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,10 @@ class InferenceStage:
             from serve_app.preprocess import decode_limits
 
             self._gpu_decoder = GpuJpegDecoder(model.spec.preprocess, decode_limits(config))
-            self._decode_executor = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="nvjpeg")
+            self._decode_executor = ThreadPoolExecutor(1, thread_name_prefix="nvjpeg")
+            self._decoding = DynamicBatcher(
+                self._decode_many, len, max_batch_size=DECODE_BATCH, max_queued=1 << 30
+            )
             self._crops_on_device = not cpu
             await self._warm_decoder()
         self.reconfigure(BatchingConfig().model_dump())
@@ -333,23 +338,15 @@ class InferenceStage:
     # -- decode: gpu --------------------------------------------------------------------------
 
     async def _decode_jpegs(self, batch: Batch) -> Batch:
-        """The batch's JPEGs through nvJPEG, in pieces on the decode threads; their crops
-        join the host crops (on the GPU when the engine is there)."""
+        """The batch's JPEGs through nvJPEG, in pieces that join other calls' in the decode
+        batcher; their crops join the host crops (on the GPU when the engine is there)."""
         from engines.gpu_decode import with_host_crops
 
         start = time.perf_counter()
-        loop = asyncio.get_running_loop()
         jpegs = list(batch.jpegs)
-        pieces = await asyncio.gather(
-            *(
-                loop.run_in_executor(
-                    self._decode_executor, self._gpu_decoder.crops, jpegs[i : i + DECODE_PIECE]
-                )
-                for i in range(0, len(jpegs), DECODE_PIECE)
-            )
-        )
+        pieces = await _in_pieces(self._decoding.submit, jpegs, DECODE_BATCH)
         good, pixels, failures = [], [], dict(batch.image_failures)
-        for offset, piece in zip(range(0, len(jpegs), DECODE_PIECE), pieces, strict=True):
+        for offset, (piece, _) in zip(range(0, len(jpegs), DECODE_BATCH), pieces, strict=True):
             good.extend(offset + i for i in piece.good)
             pixels.append(piece.pixels)
             for i, error in piece.errors:
@@ -375,19 +372,20 @@ class InferenceStage:
             timing=StageTiming(preprocess_ms=timing.preprocess_ms + ms_since(start)),
         )
 
-    async def _warm_decoder(self) -> None:
-        """Every decode thread decodes once, then the engine runs those crops as requests'
-        crops reach it, before the replica reports ready (nvJPEG's first call and the resize
-        kernels' loading cost seconds)."""
-        barrier = threading.Barrier(DECODE_THREADS, timeout=120)
-
-        def warm():
-            barrier.wait()  # one job per thread: none may take a second before all started
-            return self._gpu_decoder.warmup()
-
+    async def _decode_many(self, pieces: list[list[bytes]]) -> list:
+        """One nvJPEG call for pieces of several calls, on the decode thread."""
         loop = asyncio.get_running_loop()
-        jobs = [loop.run_in_executor(self._decode_executor, warm) for _ in range(DECODE_THREADS)]
-        crops = (await asyncio.gather(*jobs))[0].pixels
+        return await loop.run_in_executor(
+            self._decode_executor, self._gpu_decoder.crops_many, pieces
+        )
+
+    async def _warm_decoder(self) -> None:
+        """The decode thread decodes once, then the engine runs those crops, before the
+        replica reports ready (nvJPEG's first call and the resize kernels' loading cost
+        seconds)."""
+        loop = asyncio.get_running_loop()
+        warm = await loop.run_in_executor(self._decode_executor, self._gpu_decoder.warmup)
+        crops = warm.pixels
         if not (self._crops_on_device and crops.is_cuda):
             crops = crops.cpu().numpy()
         await loop.run_in_executor(
@@ -420,7 +418,7 @@ def _take_rows(pixels, rows: np.ndarray):
     return pixels[rows] if isinstance(pixels, np.ndarray) else pixels[rows.tolist()]
 
 
-async def _in_pieces(submit: Callable[[object], Awaitable[_Ran]], pixels, step: int) -> list[_Ran]:
+async def _in_pieces(submit: Callable[[object], Awaitable[R]], pixels, step: int) -> list[R]:
     """submit() each piece of at most `step` rows (pieces batch independently), in order. A
     lone piece is awaited directly; when one piece fails the others are dropped."""
     if len(pixels) <= step:

@@ -4,6 +4,7 @@ tests/gpu/test_nvjpeg.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import io
 import threading
@@ -82,13 +83,16 @@ def test_crops_of_mixed_sizes_in_one_batch_equal_one_at_a_time(model, photos) ->
 class _PilBatchDecoder:
     """Stands in for torchvision's batched nvJPEG on a CPU box: same inputs and outputs, and
     like nvJPEG one bad JPEG fails the whole call with a RuntimeError. Counts the JPEGs of
-    each call, and notes the thread that made it."""
+    each call, and notes the thread that made it; `gate` holds calls back."""
 
     def __init__(self) -> None:
         self.calls, self.threads = [], []
+        self.gate = threading.Event()  # cleared: a call waits for it before it returns
+        self.gate.set()
 
     def __call__(self, jpegs: list[bytes]) -> list[torch.Tensor]:
         self.calls.append(len(jpegs))
+        self.gate.wait(30)
         self.threads.append(threading.current_thread().name)
         out = []
         for jpeg in jpegs:
@@ -132,14 +136,15 @@ def test_requests_decode_together_and_a_bad_jpeg_fails_alone(model, photos) -> N
     assert torch.equal(whole.pixels[2], crops[1].pixels[0])
 
 
-async def test_a_gpu_decode_replica_decodes_a_batch_in_pieces_on_every_thread(
+async def test_a_gpu_decode_replica_decodes_the_jpegs_of_waiting_calls_together(
     model_repository, photos, monkeypatch
 ) -> None:
-    """decode: gpu through the stages' own code (a stand-in decoder on the CPU): a batch's
-    JPEGs decode in pieces of 32 spread over the decode threads, and each request keeps its
-    own answers in its own order, the junk bytes failing alone."""
+    """decode: gpu through the stages' own code (a stand-in decoder on the CPU): one decode
+    thread; calls that arrive while it decodes are decoded together in its next nvJPEG call,
+    in pieces of at most DECODE_BATCH; each request keeps its own answers in its own order,
+    the junk bytes failing alone."""
     from engines import gpu_decode
-    from serve_app.inference import DECODE_THREADS
+    from serve_app.inference import DECODE_BATCH
 
     decoder = _PilBatchDecoder()
     construct = gpu_decode.GpuJpegDecoder.__init__
@@ -150,16 +155,27 @@ async def test_a_gpu_decode_replica_decodes_a_batch_in_pieces_on_every_thread(
     monkeypatch.setattr(gpu_decode.GpuJpegDecoder, "__init__", on_the_cpu)
     config = AppConfig(model_repository=model_repository, decode="gpu")
     group = await StageGroup.create(config, STAGES)
-    # Start-up warmed every decode thread, once each, before the replica was ready.
-    assert decoder.calls == [2] * DECODE_THREADS
-    assert len(set(decoder.threads)) == DECODE_THREADS
+    assert decoder.calls == [2]  # start-up warmed the decode thread before the replica was ready
     decoder.calls.clear()
-    large = [photos["chelsea"], photos["coffee"]] * 35
-    answers = await group.run(
-        batch_of([photos["chelsea"], b"junk", photos["coffee"]], [photos["coffee"]], large)
+    decoder.gate.clear()  # the first call holds the decode thread until the others queue
+    large = [photos["chelsea"], photos["coffee"]] * 75
+    first = asyncio.ensure_future(group.run(batch_of([photos["coffee"]] * 3)))
+    while not decoder.calls:
+        await asyncio.sleep(0.01)
+    later = asyncio.ensure_future(
+        group.run(batch_of([photos["chelsea"], b"junk", photos["coffee"]], [photos["coffee"]]))
     )
-    assert sorted(decoder.calls) == [9, 32, 32]  # the 73 JPEGs (the junk is not one)
-    top = top_classes(answers)
+    largest = asyncio.ensure_future(group.run(batch_of(large)))
+    while group.inference._decoding.queued_images < 3 + len(large):
+        await asyncio.sleep(0.01)
+    decoder.gate.set()
+    answers = [await first, await later, await largest]
+    # 3 alone; then the waiting 3 (the junk is no JPEG) and 150 together, at most 128 a call
+    assert decoder.calls == [3, DECODE_BATCH, 3 + len(large) - DECODE_BATCH]
+    assert len(set(decoder.threads)) == 1
+    assert all(t in COFFEE for t in top_classes(answers[0])[0])
+    top = top_classes(answers[1])
     assert top[0][0] in CATS and top[0][1] == 3 and top[0][2] in COFFEE
     assert top[1][0] in COFFEE
-    assert all(t in CATS for t in top[2][::2]) and all(t in COFFEE for t in top[2][1::2])
+    top = top_classes(answers[2])[0]
+    assert all(t in CATS for t in top[::2]) and all(t in COFFEE for t in top[1::2])
