@@ -9,9 +9,6 @@ the engine was busy (up to `max_batch_size` images), at low load a lone request 
 and `max_delay_s` optionally waits for company. Cancelled requests, and requests whose
 deadline passed while queued (`DeadlineExceeded`), are dropped before they reach the engine;
 a full queue rejects at once (`Overloaded`).
-
-`AdaptiveWait` picks `max_delay_s` at run time: the longest wait (so the largest batches)
-that keeps the measured p99 of queue + engine time under a target.
 """
 
 from __future__ import annotations
@@ -22,8 +19,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
-
-import numpy as np
 
 from serve_app.errors import DeadlineExceeded, Overloaded
 
@@ -41,57 +36,6 @@ class _Pending(Generic[T, R]):
     taken: bool = False  # out of the queue (into a batch, or dropped)
 
 
-class AdaptiveWait:
-    """Additive increase, multiplicative decrease of the batch wait against a p99 target.
-
-    Every `every` completed requests it looks at the last `window` latencies (queue + engine,
-    in this replica): p99 over the target halves the wait (and a tiny wait becomes 0); p99
-    under `headroom` of the target adds `step_s`, up to `max_wait_s`. Under light load the
-    wait buys bigger batches while latency allows; as load or engine time grows, it backs off.
-    A wait also halves when most of the last waits (8 at least) ended with their request
-    alone in its batch: arrivals too sparse for the wait to find company, which then only
-    adds latency (sixteen GPU replicas sharing 5,000 img/s see about 40 requests/s each).
-    """
-
-    def __init__(
-        self,
-        target_p99_ms: float,
-        max_wait_s: float,
-        *,
-        window: int = 256,
-        every: int = 32,
-        headroom: float = 0.7,
-    ) -> None:
-        self.target_p99_ms, self.max_wait_s = target_p99_ms, max_wait_s
-        self.step_s = target_p99_ms / 1000.0 / 50
-        self.wait_s = 0.0
-        self._latencies: collections.deque[float] = collections.deque(maxlen=window)
-        self._every, self._headroom, self._seen = every, headroom, 0
-        # of each recent wait at the current wait_s: did its batch hold other requests?
-        self._company: collections.deque[bool] = collections.deque(maxlen=every)
-
-    def observe(self, latency_ms: float) -> None:
-        self._latencies.append(latency_ms)
-        self._seen += 1
-        if self._seen % self._every == 0:
-            self._adjust()
-
-    def waited(self, found_company: bool) -> None:
-        """A batch formed after a wait: with other requests than the first, or alone."""
-        self._company.append(found_company)
-
-    def _adjust(self) -> None:
-        p99 = float(np.percentile(np.fromiter(self._latencies, float), 99))
-        alone = len(self._company) >= 8 and sum(self._company) < len(self._company) / 2
-        if p99 > self.target_p99_ms or alone:
-            self.wait_s = self.wait_s / 2 if self.wait_s > self.step_s else 0.0
-        elif p99 < self._headroom * self.target_p99_ms:
-            self.wait_s = min(self.max_wait_s, self.wait_s + self.step_s)
-        else:
-            return
-        self._company.clear()  # each wait is judged by its own batches
-
-
 class DynamicBatcher(Generic[T, R]):
     def __init__(
         self,
@@ -106,7 +50,6 @@ class DynamicBatcher(Generic[T, R]):
         self._run, self._size_of = run, size_of
         self.max_batch_size, self.max_delay_s = max_batch_size, max_delay_s
         self.max_queued = max_queued  # images waiting; past this, submit() raises Overloaded
-        self.adaptive: AdaptiveWait | None = None  # set: it chooses max_delay_s
         self._running = 0  # workers running a batch
         self._queue: collections.deque[_Pending[T, R]] = collections.deque()
         self._queued_images = 0
@@ -144,11 +87,7 @@ class DynamicBatcher(Generic[T, R]):
                 self._queued_images -= pending.size
                 pending.size = 0
             raise
-        waited_ms = (time.perf_counter() - pending.enqueued) * 1000.0
-        if self.adaptive is not None:
-            self.adaptive.observe(waited_ms)
-            self.max_delay_s = self.adaptive.wait_s
-        return result, waited_ms
+        return result, (time.perf_counter() - pending.enqueued) * 1000.0
 
     def _take(self) -> list[_Pending[T, R]]:
         batch, images, now = [], 0, time.time()
@@ -185,14 +124,12 @@ class DynamicBatcher(Generic[T, R]):
             while not self._queue or index >= self.concurrency:
                 self._arrived.clear()
                 await self._arrived.wait()
-            waited = False
             if self.max_delay_s > 0:
                 first = self._queue[0].enqueued
                 while (
                     self._queued_images < self.max_batch_size
                     and time.perf_counter() - first < self.max_delay_s
                 ):
-                    waited = True
                     self._arrived.clear()
                     remaining = self.max_delay_s - (time.perf_counter() - first)
                     try:
@@ -202,8 +139,6 @@ class DynamicBatcher(Generic[T, R]):
             batch = self._take()
             if not batch:
                 continue
-            if waited and self.adaptive is not None:
-                self.adaptive.waited(found_company=len(batch) > 1)
             self._running += 1
             try:
                 await self._run_batch(batch)

@@ -148,16 +148,6 @@ class BatchingConfig(_Strict):
     # Batches the engine runs at once (batcher: dynamic): default 1 on CPU engines (one batch
     # already uses every core), 2 on GPU engines (their two slots: engines/cuda_graphs.py).
     max_concurrent_batches: int | None = Field(None, ge=1, le=2)
-    # > 0: adaptive mode (batcher: dynamic): the wait is chosen at run time, up to
-    # batch_wait_timeout_s, as the longest that keeps the p99 of queue + engine time in the
-    # replica under this many ms (serve_app/batching.py, AdaptiveWait).
-    target_p99_ms: float = Field(0.0, ge=0.0)
-
-    @model_validator(mode="after")
-    def _adaptive_needs_a_ceiling(self) -> BatchingConfig:
-        if self.target_p99_ms > 0 and self.batch_wait_timeout_s == 0:
-            raise ValueError("target_p99_ms needs batch_wait_timeout_s > 0: the longest wait")
-        return self
 
 
 # -- the topology: which deployments run the stages (serve_app/topology.py runs them) -----

@@ -27,7 +27,7 @@ from ray import serve
 from engines import Engine, EngineInfo, Outputs, create_engine
 from engines import scores as postprocessing
 from engines.repository import ModelRef
-from serve_app.batching import AdaptiveWait, DynamicBatcher
+from serve_app.batching import DynamicBatcher
 from serve_app.config import AppConfig, BatchingConfig
 from serve_app.errors import Code, code_for, message_for
 from serve_app.messages import NO_OWNERS, Batch, Failure, Job, StageTiming
@@ -152,24 +152,13 @@ class InferenceStage:
             batcher.max_delay_s = batching.batch_wait_timeout_s
             batcher.max_queued = batching.max_queued_images
             batcher.set_concurrency(batching.max_concurrent_batches or self._default_concurrency)
-            batcher.adaptive = None
-            if batching.target_p99_ms > 0:
-                batcher.max_delay_s = 0.0  # AdaptiveWait raises it while latency allows
-                batcher.adaptive = AdaptiveWait(
-                    batching.target_p99_ms, batching.batch_wait_timeout_s
-                )
         self._serve_batch.set_max_batch_size(batching.max_batch_size)
         self._serve_batch.set_batch_wait_timeout_s(batching.batch_wait_timeout_s)
         logger.info("batching: %s", batching)
 
     def batching(self) -> dict:
-        """The settings in force, the wait now in use (the adaptive mode moves it) and the
-        last user_config refused."""
-        return {
-            **self._batching.model_dump(),
-            "wait_s": self._batchers["uint8"].max_delay_s,
-            "refused": self._refused,
-        }
+        """The settings in force and the last user_config refused."""
+        return {**self._batching.model_dump(), "refused": self._refused}
 
     # -- one call -----------------------------------------------------------------------------
 

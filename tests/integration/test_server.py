@@ -471,3 +471,36 @@ async def test_direct_topology_takes_the_batching_user_config(
         assert response.timing.batch_size == 4  # 6 images ran in engine batches of <= 4
     finally:
         serve.delete("direct-batching")
+
+
+@pytest.mark.parametrize("batcher", ["dynamic", "serve"])
+async def test_either_batcher_fills_its_batches(ray_cluster, model_repository, photos, batcher):
+    """`batcher: serve` (Ray Serve's @serve.batch, in a real replica: it needs one) and the
+    default both fill engine batches from requests that wait together: eight requests of 8
+    images with a wait for company run as two batches of 32, not eight of 8."""
+    from ray import serve
+
+    from serve_app.config import AppConfig
+    from serve_app.ingress import Ingress
+
+    config = AppConfig(
+        model_repository=model_repository, port=0, topology="direct", engine={"kind": "echo"}
+    )
+    batching = {"batcher": batcher, "max_batch_size": 32, "batch_wait_timeout_s": 0.5}
+    name = f"fill-{batcher}"
+    serve.start(proxy_location="Disabled")
+    handle = serve.run(
+        Ingress.options(user_config=batching).bind(config.model_dump(mode="json")),
+        name=name,
+        route_prefix=None,
+    )
+    try:
+        server = f"127.0.0.1:{await handle.port.remote()}"
+        requests = [
+            pb.ClassifyRequest(request_id=str(i), images=[photos["coffee"]] * 8) for i in range(8)
+        ]
+        responses = await _stream(server, requests)
+        assert sorted(r.request_id for r in responses) == [str(i) for i in range(8)]
+        assert [r.timing.batch_size for r in responses] == [32] * 8
+    finally:
+        serve.delete(name)

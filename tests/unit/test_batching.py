@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from serve_app.batching import AdaptiveWait, DynamicBatcher
+from serve_app.batching import DynamicBatcher
 from serve_app.errors import DeadlineExceeded, Overloaded
 
 
@@ -137,52 +137,6 @@ async def test_without_max_delay_a_lone_request_runs_at_once() -> None:
     second = asyncio.create_task(batcher.submit([1, 1]))
     await asyncio.gather(first, second)
     assert engine.batches == [[2], [2]]
-    await batcher.close()
-
-
-def test_adaptive_wait_grows_under_its_target_and_halves_over_it() -> None:
-    wait = AdaptiveWait(target_p99_ms=50, max_wait_s=0.004, every=32)
-    for _ in range(64):
-        wait.observe(10.0)  # well under 0.7 x 50 ms: one step (1 ms) per 32 observations
-    assert wait.wait_s == pytest.approx(0.002)
-    for _ in range(32):
-        wait.observe(100.0)  # p99 over the target: halve
-    assert wait.wait_s == pytest.approx(0.001)
-    for _ in range(32 * 20):  # the window forgets the slow ones first, then it climbs
-        wait.observe(10.0)
-    assert wait.wait_s == pytest.approx(0.004)  # capped at max_wait_s
-    for _ in range(32 * 4):
-        wait.observe(100.0)
-    assert wait.wait_s == 0.0  # down to no wait at all
-
-
-@pytest.mark.parametrize(("target_ms", "waits"), [(1000.0, True), (0.01, False)])
-async def test_adaptive_batcher_waits_only_while_latency_allows(target_ms, waits) -> None:
-    async def engine(items: list[int]) -> list[int]:
-        await asyncio.sleep(0.002)
-        return items
-
-    batcher = DynamicBatcher(engine, lambda item: 1, max_batch_size=64)
-    batcher.adaptive = AdaptiveWait(target_ms, max_wait_s=0.01, every=16)
-    for _ in range(10):
-        await asyncio.gather(*(batcher.submit(i) for i in range(16)))
-    assert (batcher.max_delay_s > 0) is waits
-    await batcher.close()
-
-
-async def test_adaptive_wait_backs_off_when_waiting_finds_no_company() -> None:
-    async def engine(items: list[int]) -> list[int]:
-        return items
-
-    batcher = DynamicBatcher(engine, lambda item: 1, max_batch_size=64)
-    # Latency is far under the target, so only the lack of company can hold the wait down.
-    batcher.adaptive = AdaptiveWait(100.0, max_wait_s=0.01, every=16)
-    waits = []
-    for i in range(160):  # one request at a time: every wait ends alone
-        await batcher.submit(i)
-        waits.append(batcher.max_delay_s)
-    assert max(waits) > 0  # it tries waiting
-    assert sum(waits[-96:]) / 96 < 0.003  # and backs off (10 ms, the cap, without the check)
     await batcher.close()
 
 
