@@ -616,6 +616,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (EngineError, ModelNotFoundError, FileNotFoundError) as exc:
         print(f"raystream: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:  # a client-only install running a server command
+        print(
+            f"raystream: this command needs the server's packages ({exc}): "
+            "pip install 'raystream[server]' (make serve installs everything)",
+            file=sys.stderr,
+        )
+        return 2
     except grpc.aio.AioRpcError as exc:
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
             print(f"raystream: {_unavailable(args, exc.details() or '')}", file=sys.stderr)

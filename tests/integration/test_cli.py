@@ -270,3 +270,11 @@ def test_a_tls_client_of_a_plaintext_server_is_told_it_may_not_use_tls(grpc_serv
 def test_a_server_that_is_down_is_still_reported_as_down() -> None:
     line = _one_line(_cli("info", "--server", "127.0.0.1:1", "--timeout", "5"))
     assert "is it running? Start it with `make serve`" in line, line
+
+
+def test_a_server_command_without_the_servers_packages_says_what_to_install() -> None:
+    """A client-only install (no yaml, no Ray): `raystream serve` is one line naming the
+    server extra, not a traceback."""
+    result = _cli("serve", prelude="import sys\nsys.modules['yaml'] = None\n" + NO_RAY)
+    line = _one_line(result)
+    assert "needs the server's packages" in line and "raystream[server]" in line, line
