@@ -103,7 +103,7 @@ def _outputs(request: oip.ModelInferRequest, embedding_dim: int) -> tuple[OipOut
             outputs.append(OipOutput(SCORES, "probabilities"))
         elif output.name == LABELS or k:
             outputs.append(OipOutput(output.name, "labels", k or DEFAULT_TOP_K))
-        elif output.name == EMBEDDING and embedding_dim:
+        elif output.name == EMBEDDING:  # checked against the model by the caller
             outputs.append(OipOutput(EMBEDDING, "embedding"))
         else:
             names = f"{SCORES}, {LABELS}" + (f", {EMBEDDING}" if embedding_dim else "")
@@ -127,6 +127,8 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
                 f"got {clip(str(names))}"
             )
         outputs = _outputs(request, core.engine.embedding_dim)
+        if any(output.kind == "embedding" for output in outputs):
+            core.check_embedding()
         top_k = core.top_k(max(output.k for output in outputs) or 1)
         if names == [PIXELS]:
             pixels, images = _pixels(request, core.engine.input_shape), ()

@@ -21,6 +21,8 @@ from serve_app.config import STAGES, AppConfig, EngineConfig
 from serve_app.core import ServingCore
 from serve_app.errors import InvalidArgument
 from serve_app.messages import Batch, Job, OipOutput
+from serve_app.oip import OpenInferenceService
+from serve_app.streams import StreamRunner
 from serve_app.topology import StageGroup
 
 from conftest import cosines
@@ -200,8 +202,21 @@ async def test_a_model_from_before_embeddings_refuses_embedding_requests(
     group = await StageGroup.create(config, STAGES)
     core = ServingCore(config, group.info(), group.run)
     assert group.info().embedding_space == ""
+    # raystream.v1: the request is answered at once, INVALID_ARGUMENT
+    answered = []
+    request = pb.ClassifyRequest(request_id="e", images=[photos["chelsea"]], outputs=[2])
+    v1.ClassifierService(core, StreamRunner(8))._start(request, answered.append, None, "f", "s")
+    (refused,) = [pb.ClassifyResponse.FromString(a.payload) for a in answered]
+    assert refused.error.code == INVALID_ARGUMENT and not refused.results
+    assert "has no embedding output" in refused.error.message
+    # OIP: the same refusal, and ModelMetadata-style listings leave it out
+    oip_request = oip.ModelInferRequest(model_name="efficientnet-lite0", id="o")
+    oip_request.inputs.add(name="images", datatype="BYTES", shape=[1])
+    oip_request.inputs[0].contents.bytes_contents.append(photos["chelsea"])
+    oip_request.outputs.add(name="embedding")
     with pytest.raises(InvalidArgument, match="has no embedding output"):
-        core.check_embedding()
+        OpenInferenceService(core, StreamRunner(8))._job(oip_request, None, "f")
+    # labels as ever
     (response,) = await _answers(group, Job(id="l", images=(photos["chelsea"],), top_k=1))
     assert response.results[0].labels[0].class_id in range(281, 286)
 
