@@ -340,7 +340,7 @@ def _baseline_worker(params: dict) -> dict:
         create_engine(
             engine_config.kind,
             ref,
-            max_batch_size=max(batch, engine_config.max_batch_size),
+            max_batch_size=max(batch, engine_config.batch_capacity),
             precision=engine_config.precision,
             **engine_config.options,
         ) as engine,

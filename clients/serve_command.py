@@ -132,7 +132,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for deployment in config["applications"][0]["deployments"]:
         if deployment.get("name") == batching:
             problem = _batching_problem(
-                deployment.get("user_config") or {}, app.engine.max_batch_size, args.config
+                deployment.get("user_config") or {}, app.engine.batch_capacity, args.config
             )
             if problem is not None:
                 raise ConfigError(f"invalid {batching} user_config in {args.config}: {problem}")
@@ -530,7 +530,7 @@ class _FatalErrorWatch:
 def _batching_problem(user_config: dict, engine_max: int, config_path: Path) -> str | None:
     """Why `user_config` is not a batching config the replicas would take, in one line naming
     the field and its allowed range; None if they would. A replica refuses a max_batch_size
-    past its engine's (the app config's engine.max_batch_size), and Serve, seeing every
+    past its engine's (the app config's engine.batch_capacity), and Serve, seeing every
     replica fail, would replace them all: so this is checked before anything is deployed."""
     from pydantic import ValidationError
 
@@ -548,7 +548,7 @@ def _batching_problem(user_config: dict, engine_max: int, config_path: Path) -> 
         low, high = bounds(field)
         if field == "max_batch_size":
             return (
-                f"max_batch_size must be in 1..{engine_max} (engine.max_batch_size in "
+                f"max_batch_size must be in 1..{engine_max} (engine.batch_capacity in "
                 f"{config_path}), got {value}"
             )
         if low is not None and high is not None:
@@ -608,7 +608,7 @@ def cmd_reconfigure(args: argparse.Namespace) -> int:
             raise ConfigError(f"{change!r}: {value!r} is not a YAML value") from None
         if user_config[key] is None:  # null: back to BatchingConfig's default
             del user_config[key]
-    problem = _batching_problem(user_config, app.engine.max_batch_size, args.config)
+    problem = _batching_problem(user_config, app.engine.batch_capacity, args.config)
     if problem is not None:
         raise ConfigError(f"refused, nothing changed: {problem}")
 

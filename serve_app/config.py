@@ -28,7 +28,7 @@ class EngineConfig(_Strict):
     # only). echo: no model, fixed logits; for transport benchmarks and tests only.
     kind: EngineKind = "auto"
     precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp16"  # GPU engines only
-    max_batch_size: int = Field(
+    batch_capacity: int = Field(
         64,
         ge=1,
         le=4096,
@@ -134,7 +134,7 @@ class BatchingConfig(_Strict):
         description=(
             "The batcher's limit: at most this many images go into one engine batch, and "
             "larger requests are cut into pieces of this size. At most the engine's "
-            "capacity, engine.max_batch_size in the application args (a user_config over it "
+            "capacity, engine.batch_capacity in the application args (a user_config over it "
             "is refused and the settings in force stay)."
         ),
     )

@@ -60,7 +60,7 @@ def _warm_engine(config: AppConfig, model: ModelRef) -> Engine:
     engine = create_engine(
         config.engine.kind,
         model,
-        max_batch_size=config.engine.max_batch_size,
+        max_batch_size=config.engine.batch_capacity,
         precision=config.engine.precision,
         **config.engine.options,
     )

@@ -29,7 +29,7 @@ async def _group(model_repository, **config) -> StageGroup:
     group = await StageGroup.create(
         AppConfig(
             model_repository=model_repository,
-            engine=EngineConfig(kind="torch-cuda", precision="fp16", max_batch_size=64),
+            engine=EngineConfig(kind="torch-cuda", precision="fp16", batch_capacity=64),
             **config,
         ),
         STAGES,

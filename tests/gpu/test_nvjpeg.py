@@ -62,7 +62,7 @@ async def test_gpu_replica_keeps_crops_on_the_gpu_and_answers_each_image(
     config = AppConfig(
         model_repository=model_repository,
         decode="gpu",
-        engine=EngineConfig(kind="torch-cuda", max_batch_size=64),
+        engine=EngineConfig(kind="torch-cuda", batch_capacity=64),
     )
     group = await StageGroup.create(config, STAGES)
     group.reconfigure(BatchingConfig(max_batch_size=64).model_dump())

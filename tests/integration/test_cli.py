@@ -141,7 +141,7 @@ def listener():
 
 
 def test_reconfigure_refuses_a_batch_past_the_engines_before_touching_ray(listener) -> None:
-    """max_batch_size past the config's engine.max_batch_size (64): every Inference replica
+    """max_batch_size past the config's engine.batch_capacity (64): every Inference replica
     would refuse it and Serve would replace them all (minutes of UNAVAILABLE). Refused in
     the CLI, before Ray is imported or the cluster address is dialed."""
     address, connected = listener
@@ -156,14 +156,14 @@ def test_reconfigure_refuses_a_batch_past_the_engines_before_touching_ray(listen
     )
     line = _one_line(result)
     assert "max_batch_size must be in 1..64" in line and "got 1000" in line, line
-    assert "engine.max_batch_size" in line and "nothing changed" in line, line
+    assert "engine.batch_capacity" in line and "nothing changed" in line, line
     assert not connected
 
 
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
-        ("max_batch_size=0", "max_batch_size must be in 1..64 (engine.max_batch_size"),
+        ("max_batch_size=0", "max_batch_size must be in 1..64 (engine.batch_capacity"),
         ("batch_wait_timeout_s=11", "batch_wait_timeout_s must be in 0.0..10.0, got 11"),
         ("max_queued_images=-1", "max_queued_images must be at least 1, got -1"),
         ("max_queued_images=many", "max_queued_images: Input should be a valid integer"),
