@@ -76,6 +76,7 @@ class LoadSpec:
     drain: float = 30.0  # seconds after sending stops to wait for the last answers
     seed: int = 0
     outputs: str = "labels"  # comma-separated: labels, embedding (ClassifyRequest.outputs)
+    pixels: int = 0  # > 0: send `pixels` (zeros, images x 3 x P x P float32), no photos
 
     def wanted(self) -> tuple[bool, bool]:
         """(labels, embedding) each request asks for."""
@@ -123,9 +124,14 @@ class _Requests:
         labels, embedding = spec.wanted()
         # labels alone is the default: sent as no `outputs`, the bytes of any older client
         outputs = [] if not embedding else [OUTPUTS["labels"]] * labels + [OUTPUTS["embedding"]]
+        pixels = None
+        if spec.pixels:  # the model input itself: the server decodes nothing
+            shape = (k, 3, spec.pixels, spec.pixels)
+            pixels = pb.Tensor(shape=shape, data=bytes(4 * k * 3 * spec.pixels**2))
         self._tails = [
             pb.ClassifyRequest(
-                images=[photos[(start + j) % n] for j in range(k)],
+                images=[] if pixels else [photos[(start + j) % n] for j in range(k)],
+                pixels=pixels,
                 top_k=spec.top_k,
                 timeout_ms=spec.timeout_ms,
                 outputs=outputs,
@@ -513,6 +519,9 @@ def main() -> None:
         "--outputs", default="labels", help="what each image asks for: labels, embedding or both"
     )
     parser.add_argument("--photos", type=Path, help="folder of images (default: built-in)")
+    parser.add_argument(
+        "--pixels", type=int, default=0, help="send P x P model input (zeros), not photos"
+    )
     parser.add_argument("--json", type=Path, help="write the report here, not to stdout")
     parser.add_argument("--announce-window", action="store_true", help="print `window S E`")
     args = parser.parse_args()
@@ -531,6 +540,7 @@ def main() -> None:
         drain=args.drain,
         seed=args.seed,
         outputs=args.outputs,
+        pixels=args.pixels,
     )
     photos = folder_photos(args.photos) if args.photos else builtin_photos()
 

@@ -59,7 +59,8 @@ class PlainClassifier(pb_grpc.ImageClassifierServicer):
             )
         response = pb.ClassifyResponse(request_id=request.request_id)
         k = min(request.top_k or 5, len(LABELS))
-        for _ in range(len(request.images)):
+        rows = request.pixels.shape[0] if request.HasField("pixels") else len(request.images)
+        for _ in range(rows):
             result = response.results.add()
             for i in range(k):
                 result.labels.add(class_id=i, name=LABELS[i], score=0.2)

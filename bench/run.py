@@ -59,6 +59,7 @@ LOAD_FIELDS = {
     "timeout_ms",
     "drain",
     "outputs",
+    "pixels",
 }
 EXTRA_FIELDS = {"name", "kind", "compare", "photos", "decode_threads", "decode_size"}
 KINDS = {"grpc", "baseline", "plain_server"}
