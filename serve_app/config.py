@@ -98,13 +98,6 @@ class ModelEntry(_Strict):
         return self
 
 
-class CacheConfig(_Strict):
-    """The ingress' per-image result cache (serve_app/cache.py): off unless enabled."""
-
-    enabled: bool = False
-    max_entries: int = Field(100_000, ge=1)  # images' results kept, least recently used out
-
-
 class AppConfig(_Strict):
     host: str = "127.0.0.1"  # loopback by default: binding elsewhere is a deliberate choice
     port: int = Field(9000, ge=0, le=65535)  # 0 picks a free port (tests)
@@ -114,7 +107,6 @@ class AppConfig(_Strict):
     # Several models (and versions) at once: each with its version policy. Empty: `model`
     # at `model_version` only. `model` stays the default (requests that name no model).
     models: tuple[ModelEntry, ...] = ()
-    cache: CacheConfig = CacheConfig()
     # Set by build_app for each deployment of the application: names the shared state that
     # the replicas of one deployment keep about the models loaded at run time.
     instance: str = ""
