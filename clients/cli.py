@@ -223,6 +223,27 @@ def cmd_info(args: argparse.Namespace) -> int:
     return asyncio.run(_info(args))
 
 
+async def _models(args: argparse.Namespace) -> int:
+    from clients.client import Client
+
+    async with Client(args.server, **_connection(args)) as client:
+        if args.action == "load":
+            versions = args.versions.split(",") if args.versions else ()
+            await client.load_model(args.name, latest=args.latest, versions=versions)
+        elif args.action == "unload":
+            await client.unload_model(args.name)
+        rows = await client.models()
+    for name, version, state, reason in rows:
+        print(f"{name:<28} {version:>8}  {state:<12} {reason}".rstrip())
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    if args.action != "list" and not args.name:
+        raise CliError(f"models {args.action} needs a model name")
+    return asyncio.run(_models(args))
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from engines.export import export_model, is_current
     from engines.repository import list_versions
@@ -494,6 +515,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=seconds, default=10.0, help="seconds (default 10)")
     _add_connection_options(p)
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser(
+        "models",
+        help="list, load or unload model versions on a running server",
+        description=(
+            "list: every version in the server's repository and its state. load NAME: serve "
+            "the versions of a policy (--versions or --latest; none: the server's config), "
+            "warmed before they take traffic, then unload NAME's other versions. unload NAME "
+            "(or NAME/VERSION): stop serving it once its requests in flight are answered."
+        ),
+    )
+    p.add_argument("action", choices=("list", "load", "unload"))
+    p.add_argument("name", nargs="?", default="", help="model name (unload: NAME/VERSION too)")
+    policy = p.add_mutually_exclusive_group()
+    policy.add_argument("--versions", help="load these versions, comma-separated: 1,2")
+    policy.add_argument("--latest", type=int, help="load the latest N versions")
+    p.add_argument("--server", default=DEFAULT_SERVER, help="host:port (default %(default)s)")
+    _add_connection_options(p)
+    p.set_defaults(func=cmd_models)
 
     p = sub.add_parser(
         "export",

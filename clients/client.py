@@ -304,6 +304,61 @@ class Client:
             metadata=self._metadata,
         )
 
+    # -- the model repository (the Open Inference Protocol's repository extension) ----------
+
+    def _repository(self):
+        from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
+
+        return oip_grpc.GRPCInferenceServiceStub(self._channels[0])
+
+    async def models(self, *, ready: bool = False) -> list[tuple[str, str, str, str]]:
+        """Every version in the server's repository: (name, version, state, reason)."""
+        from raystream.oip import grpc_predict_v2_pb2 as oip
+
+        index = await self._repository().RepositoryIndex(
+            oip.RepositoryIndexRequest(ready=ready), metadata=self._metadata
+        )
+        return [(m.name, m.version, m.state, m.reason) for m in index.models]
+
+    async def load_model(
+        self, name: str, *, latest: int | None = None, versions: Iterable[str] = ()
+    ) -> None:
+        """Serve `name` at the versions of a policy (none: the server's), warmed before
+        they take traffic; its other versions are unloaded. Returns once they serve."""
+        import json
+
+        from raystream.oip import grpc_predict_v2_pb2 as oip
+
+        policy = (
+            {"latest": {"num_versions": latest}}
+            if latest
+            else {"specific": {"versions": [int(v) for v in versions]}}
+            if versions
+            else None
+        )
+        parameters = (
+            {
+                "config": oip.ModelRepositoryParameter(
+                    string_param=json.dumps({"version_policy": policy})
+                )
+            }
+            if policy
+            else {}
+        )
+        await self._repository().RepositoryModelLoad(
+            oip.RepositoryModelLoadRequest(model_name=name, parameters=parameters),
+            metadata=self._metadata,
+        )
+
+    async def unload_model(self, name: str) -> None:
+        """Stop serving `name` ("name": every version; "name/version": that one) once the
+        requests in flight for it are answered."""
+        from raystream.oip import grpc_predict_v2_pb2 as oip
+
+        await self._repository().RepositoryModelUnload(
+            oip.RepositoryModelUnloadRequest(model_name=name), metadata=self._metadata
+        )
+
     async def replica(self) -> str:
         """The ingress replica this (first) connection landed on ("" from a server that
         does not say). Replicas share one port and the kernel hashes each connection to

@@ -136,3 +136,27 @@ def resolve(root: Path, name: str, version: str = "") -> ModelRef:
         raise ModelNotFoundError(f"model {name!r} has no version {version!r} (has: {versions})")
     path = root / name / version
     return ModelRef(path=path, spec=ModelSpec.from_json((path / SPEC_FILE).read_text()))
+
+
+def select_versions(
+    root: Path, name: str, latest: int | None = None, versions: tuple[str, ...] = ()
+) -> list[str]:
+    """The versions of `name` a version policy picks: those listed (each must exist), or the
+    `latest` N in the repository (default 1), lowest first."""
+    have = list_versions(root, name)
+    if not have:
+        resolve(root, name)  # raises, naming what the repository holds
+    if versions:
+        missing = [v for v in versions if v not in have]
+        if missing:
+            raise ModelNotFoundError(f"model {name!r} has no version {missing} (has: {have})")
+        return sorted(set(versions), key=have.index)
+    return have[-(latest or 1) :]
+
+
+def list_models(root: Path) -> list[str]:
+    """Every model in the repository at `root`, by name."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if list_versions(root, p.name))

@@ -7,17 +7,18 @@ The topology (serve_app/topology.py) says which deployments run the stages; each
 from __future__ import annotations
 
 import os
+import uuid
 from typing import Any
 
 from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
-from engines.repository import resolve
 from serve_app.config import AppConfig, BatchingConfig, Group, deployment_name, groups
 from serve_app.ingress import Ingress
 from serve_app.messages import Answer, Batch, Served
-from serve_app.topology import StageGroup, StageHandle
+from serve_app.registry import ModelRegistry, RayStore
+from serve_app.topology import StageGroup, StageHandle, initial_versions
 
 # Topology direct: the replica runs raystream on Serve's own event loop, not on a second
 # loop in a second thread (Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED does the same): the
@@ -46,7 +47,15 @@ class Stages:
     micro-batch whatever the topology, and the stage replicas make the others."""
 
     async def __init__(self, config: dict, stages: Group, next: DeploymentHandle | None) -> None:
-        self._group = await StageGroup.create(AppConfig.model_validate(config), stages)
+        config = AppConfig.model_validate(config)
+        context = serve.get_replica_context()
+        self._group = await StageGroup.create(
+            config,
+            stages,
+            ModelRegistry(RayStore(), config.instance),
+            deployment_name(stages),
+            context.replica_id.unique_id,
+        )
         self._next = None if next is None else StageHandle(next)
         self.batching = self._group.batching
         self.images_inferred = self._group.images_inferred
@@ -56,11 +65,12 @@ class Stages:
         batch = await self._group.run(batch)
         return batch if self._next is None else await self._next.run(batch)
 
-    async def info(self) -> Served:
-        """What is served: the model and the engine of the group that holds inference."""
-        if self._group.inference is None:
-            return await self._next.info()
-        return self._group.info()
+    async def info(self, key: str = "") -> Served:
+        """What is served: a model version ("name/version"; empty: the default model) and
+        its engine, as the group that holds inference reports it."""
+        if "inference" not in self._group.stages:
+            return await self._next.info(key)
+        return self._group.info(key)
 
     def reconfigure(self, user_config: dict) -> None:
         self._group.reconfigure(user_config)
@@ -73,8 +83,10 @@ class Stages:
 def build_app(args: dict[str, Any]) -> Application:
     """Validate the config and fail now (before any replica starts) if the model is missing."""
     config = AppConfig.model_validate(args)
-    resolve(config.model_repository, config.model, config.model_version)
-    shared = config.model_dump(mode="json")
+    if not initial_versions(config):
+        raise ValueError("no model version to serve")
+    # One instance per deployment of the application: its replicas share the model state.
+    shared = {**config.model_dump(mode="json"), "instance": config.instance or uuid.uuid4().hex}
     stage_groups = groups(config)
     if not stage_groups:
         # A config file's ray_actor_options replace these, and with them this runtime_env:

@@ -80,12 +80,36 @@ class SecurityConfig(_Strict):
         return self
 
 
+class ModelEntry(_Strict):
+    """A model the application serves, and which of its versions (its version policy):
+    the `latest` N versions in the repository (default 1), or the `versions` listed."""
+
+    name: str = Field(min_length=1, pattern=r"^[^/]+$")
+    latest: int | None = Field(None, ge=1)
+    versions: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _one_policy(self) -> ModelEntry:
+        if self.latest is not None and self.versions:
+            raise ValueError(
+                f"model {self.name!r}: set latest or versions, not both "
+                f"(got latest={self.latest}, versions={list(self.versions)})"
+            )
+        return self
+
+
 class AppConfig(_Strict):
     host: str = "127.0.0.1"  # loopback by default: binding elsewhere is a deliberate choice
     port: int = Field(9000, ge=0, le=65535)  # 0 picks a free port (tests)
     model_repository: Path = Path("models")
     model: str = "efficientnet-lite0"
     model_version: str = ""  # empty: the highest version in the repository
+    # Several models (and versions) at once: each with its version policy. Empty: `model`
+    # at `model_version` only. `model` stays the default (requests that name no model).
+    models: tuple[ModelEntry, ...] = ()
+    # Set by build_app for each deployment of the application: names the shared state that
+    # the replicas of one deployment keep about the models loaded at run time.
+    instance: str = ""
     engine: EngineConfig = EngineConfig()
     limits: LimitsConfig = LimitsConfig()
     security: SecurityConfig = SecurityConfig()
@@ -117,6 +141,28 @@ class AppConfig(_Strict):
                     f"order, in non-empty groups; got {[list(g) for g in self.topology]}"
                 )
         return self
+
+    @model_validator(mode="after")
+    def _model_policies(self) -> AppConfig:
+        names = [entry.name for entry in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"models lists a model twice: {names}")
+        if self.models and self.model_version:
+            raise ValueError(
+                "model_version applies only without models; give the default model's "
+                "versions in its models entry"
+            )
+        if self.models and self.model not in names:
+            raise ValueError(f"the default model {self.model!r} is not in models: {names}")
+        return self
+
+    @property
+    def model_entries(self) -> tuple[ModelEntry, ...]:
+        """The models served at start, each with its version policy."""
+        if self.models:
+            return self.models
+        versions = (self.model_version,) if self.model_version else ()
+        return (ModelEntry(name=self.model, versions=versions),)
 
     @model_validator(mode="after")
     def _absolute_repository(self) -> AppConfig:

@@ -37,6 +37,12 @@ from serve_app.messages import Answer, Batch, Failure, Job, Served
 from serve_app.metrics import IngressMetrics
 
 logger = logging.getLogger(__name__)
+
+
+def _number(version: str) -> int:
+    return int(version) if version.isdigit() else 0
+
+
 request_log = logging.getLogger("ray.serve")  # lands in the replica's Serve log file
 
 
@@ -54,21 +60,20 @@ class ServingCore:
     def __init__(
         self,
         config: AppConfig,
-        model: Served,
+        models: Served | list[Served],
         run: Callable[[Batch], Awaitable[list[Answer]]],
     ) -> None:
-        """`model`: what is served; `run`: one call through the stages for a batch of jobs,
-        answering each."""
+        """`models`: the model versions served (more come and go: `add`, `retire`); `run`:
+        one call through the stages for a batch of one version's jobs, answering each."""
         self._config = config
         self._limits = config.limits
-        self.name, self.version, self.engine = model.name, model.version, model.engine
-        self.embedding_space = model.embedding_space
+        self.default = config.model  # the model of requests that name none
+        self.models: dict[str, Served] = {}  # "name/version" -> what answers it
+        for model in [models] if isinstance(models, Served) else models:
+            self.add(model)
         self._run = run
-        self._dispatcher = Dispatcher(
-            self._call,
-            max_per_call=config.requests_per_call,
-            max_calls=config.max_calls_in_flight,
-        )
+        self._dispatchers: dict[str, Dispatcher] = {}
+        self.in_flight_by_model: collections.Counter[str] = collections.Counter()
         self.requests_started = 0
         self.requests_in_flight = 0
         self._metrics = IngressMetrics()
@@ -78,30 +83,60 @@ class ServingCore:
         # lets a client see where it landed.
         self.replica = f"{socket.gethostname()}:{os.getpid()}"
 
+    # -- the model versions routed ---------------------------------------------------------
+
+    def add(self, model: Served) -> None:
+        """Route requests to `model` from now on."""
+        self.models[model.key] = model
+
+    def retire(self, key: str) -> None:
+        """Route no new request to `key` ("name/version"); those in flight finish."""
+        self.models.pop(key, None)
+
+    def versions(self, name: str) -> list[Served]:
+        """The routed versions of `name`, lowest first."""
+        found = [m for m in self.models.values() if m.name == name]
+        return sorted(found, key=lambda m: (not m.version.isdigit(), _number(m.version), m.version))
+
+    def _dispatcher(self, key: str) -> Dispatcher:
+        if key not in self._dispatchers:
+            self._dispatchers[key] = Dispatcher(
+                lambda items: self._call(key, items),
+                max_per_call=self._config.requests_per_call,
+                max_calls=self._config.max_calls_in_flight,
+            )
+        return self._dispatchers[key]
+
     # -- checks ---------------------------------------------------------------------------
 
-    def check_model(self, name: str, version: str = "") -> None:
-        """`name` may be "name" or "name/version"; empty means the served model."""
+    def check_model(self, name: str, version: str = "") -> Served:
+        """The version that answers: `name` may be "name" or "name/version"; an empty name
+        means the default model, an empty version the highest version routed."""
         if "/" in name and not version:
             name, version = name.split("/", 1)
-        if (name and name != self.name) or version not in ("", self.version):
-            asked = f"{clip(name)!r}" + (f" version {clip(version)!r}" if version else "")
-            raise ModelNotFound(
-                f"model {asked} is not served here; this server serves {self.name!r} "
-                f"version {self.version!r}"
-            )
+        name = name or self.default
+        if version and f"{name}/{version}" in self.models:
+            return self.models[f"{name}/{version}"]
+        served = self.versions(name)
+        if served and not version:
+            return served[-1]
+        asked = f"{clip(name)!r}" + (f" version {clip(version)!r}" if version else "")
+        loaded = ", ".join(sorted(self.models)) or "none"
+        raise ModelNotFound(f"model {asked} is not loaded; loaded: {loaded}")
 
-    def top_k(self, requested: int) -> int:
+    def top_k(self, requested: int, model: Served) -> int:
         top_k = requested or DEFAULT_TOP_K
-        if not 1 <= top_k <= self.engine.num_classes:
-            raise InvalidArgument(f"top_k must be in 1..{self.engine.num_classes}, got {requested}")
+        if not 1 <= top_k <= model.engine.num_classes:
+            raise InvalidArgument(
+                f"top_k must be in 1..{model.engine.num_classes}, got {requested}"
+            )
         return top_k
 
-    def check_embedding(self) -> None:
+    def check_embedding(self, model: Served) -> None:
         """A request for embeddings needs a model that has them."""
-        if not self.engine.embedding_dim:
+        if not model.engine.embedding_dim:
             raise InvalidArgument(
-                f"model {self.name!r} version {self.version!r} has no embedding output (it "
+                f"model {model.name!r} version {model.version!r} has no embedding output (it "
                 f"was exported before embeddings existed); export a new version with "
                 f"`raystream export` to get them"
             )
@@ -160,13 +195,14 @@ class ServingCore:
         if budget_s is not None:  # the deadline travels with the job: stages drop it late
             job = dataclasses.replace(job, deadline=time.time() + budget_s)
         pending = _Pending(job, reply, stream, time.perf_counter())
+        self.in_flight_by_model[job.model] += 1
         if budget_s is not None:
             late = DeadlineExceeded(f"no answer within the {budget_s * 1000:.0f} ms deadline")
             answer = failed(job, Failure(int(late.code), str(late)))
             pending.timer = asyncio.get_running_loop().call_later(
                 budget_s, self._finish, pending, answer
             )
-        self._dispatcher.submit(pending)
+        self._dispatcher(job.model).submit(pending)
         return pending
 
     def abandon(self, pending: _Pending) -> None:
@@ -176,10 +212,16 @@ class ServingCore:
             pending.done = True
             if pending.timer is not None:
                 pending.timer.cancel()
-            self.requests_in_flight -= 1
+            self._done(pending.job)
 
-    async def _call(self, items: list[_Pending]) -> None:
-        batch = Batch(jobs=tuple(item.job for item in items))
+    def _done(self, job: Job) -> None:
+        self.requests_in_flight -= 1
+        self.in_flight_by_model[job.model] -= 1
+        if not self.in_flight_by_model[job.model]:
+            del self.in_flight_by_model[job.model]
+
+    async def _call(self, model: str, items: list[_Pending]) -> None:
+        batch = Batch(jobs=tuple(item.job for item in items), model=model)
         try:
             answers = await self._run(batch)
         except Exception as exc:
@@ -197,7 +239,7 @@ class ServingCore:
         pending.done = True
         if pending.timer is not None:
             pending.timer.cancel()
-        self.requests_in_flight -= 1
+        self._done(pending.job)
         total_ms = (time.perf_counter() - pending.started) * 1000.0
         if pending.job.protocol == "v1":
             answer = dataclasses.replace(answer, payload=with_total_ms(answer.payload, total_ms))

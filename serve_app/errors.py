@@ -68,6 +68,12 @@ class DeadlineExceeded(RaystreamError):
     code = Code.DEADLINE_EXCEEDED
 
 
+class Unavailable(RaystreamError):
+    """Not able to serve now (a model version that failed to load)."""
+
+    code = Code.UNAVAILABLE
+
+
 # Failures raised by the engines, Ray or asyncio rather than by us, most specific first.
 _FOREIGN_CODES: tuple[tuple[type[BaseException], Code], ...] = (
     (InvalidImage, Code.INVALID_ARGUMENT),

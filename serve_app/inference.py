@@ -124,6 +124,11 @@ class InferenceStage:
         self.reconfigure(BatchingConfig().model_dump())
         logger.info("engine ready: %s", self._engine.info)
 
+    def close(self) -> None:
+        """Release the engine (unload): after the batches already handed to its threads."""
+        self._executor.submit(self._engine.close)
+        self._executor.shutdown(wait=False)
+
     @property
     def info(self) -> EngineInfo:
         return self._engine.info

@@ -11,6 +11,7 @@ security.py) is the only one that imports grpc and turns errors into status code
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -22,14 +23,16 @@ from ray.serve.handle import DeploymentHandle
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from serve_app import v1
-from serve_app.config import STAGES, AppConfig
+from serve_app.config import STAGES, AppConfig, deployment_names
 from serve_app.core import ServingCore
-from serve_app.messages import Answer, Batch
+from serve_app.lifecycle import ModelLifecycle
+from serve_app.messages import Answer, Batch, Served
 from serve_app.metrics import resident_memory_bytes
 from serve_app.oip import OpenInferenceService
+from serve_app.registry import POLL_S, ModelRegistry, RayStore
 from serve_app.security import TokenAuth, server_credentials
 from serve_app.streams import StreamRunner
-from serve_app.topology import StageGroup, StageHandle
+from serve_app.topology import StageGroup, StageHandle, initial_versions
 
 logger = logging.getLogger(__name__)
 
@@ -52,19 +55,41 @@ class Ingress:
         self._server: grpc.aio.Server | None = None
         self._config = AppConfig.model_validate(config)
         self._local: StageGroup | None = None
+        replica = serve.get_replica_context().replica_id.unique_id
+        registry = ModelRegistry(RayStore(), self._config.instance)
         if stages is not None:
             self._stages = StageHandle(stages)
-            model = await self._stages.info()
+            info = self._stages.info
             run = self._chain
+            stage_deployments = deployment_names(self._config.topology)
         else:
-            self._local = await StageGroup.create(self._config, STAGES)
-            model = self._local.info()
+            self._local = await StageGroup.create(
+                self._config, STAGES, registry, "Ingress", replica
+            )
+            info = self._local_info
             run = self._local.run
+            stage_deployments = {"Ingress"}
         limits = self._config.limits
         self._streams = StreamRunner(
             limits.max_in_flight_per_stream, limits.max_stream_buffer_bytes
         )
-        self._core = ServingCore(self._config, model, run)
+        self._core = ServingCore(self._config, [], run)
+        self._models = ModelLifecycle(
+            self._core,
+            registry,
+            stage_deployments,
+            replica,
+            info,
+            self._config.model_repository,
+            self._config.model_entries,
+            limits.drain_timeout_s,
+        )
+        wanted = registry.start(initial_versions(self._config))
+        while not all(key in self._core.models for key in wanted):  # the stages warm up
+            await self._models.follow_once()
+            await asyncio.sleep(POLL_S)
+        self._models.start()
+        model = self._core.check_model("")
         security = self._config.security
         interceptors = []
         if security.auth_token_file is not None:
@@ -83,7 +108,7 @@ class Ingress:
             (v1.ClassifierService(self._core, self._streams).handler(),)
         )
         oip_grpc.add_GRPCInferenceServiceServicer_to_server(
-            OpenInferenceService(self._core, self._streams), self._server
+            OpenInferenceService(self._core, self._streams, self._models), self._server
         )
         # grpc.health.v1 (SERVING once the engine is warm) and server reflection, so
         # grpcurl-style tools list and call the services.
@@ -110,6 +135,9 @@ class Ingress:
             model.engine.engine,
             model.engine.device,
         )
+
+    async def _local_info(self, key: str) -> Served:
+        return self._local.info(key)
 
     async def _chain(self, batch: Batch) -> list[Answer]:
         """One call through the stage deployments; the first passes its result on."""

@@ -31,6 +31,10 @@ class Served:
     engine: EngineInfo
     embedding_space: str  # ModelSpec.embedding_space: "" without an embedding output
 
+    @property
+    def key(self) -> str:
+        return f"{self.name}/{self.version}"
+
 
 @dataclass(frozen=True)
 class OipOutput:
@@ -57,6 +61,7 @@ class Job:
     flow: str = ""  # the stream or connection it came on: flows share the decoders in turn
     protocol: str = "v1"  # "v1" or "oip": the answer's format (serve_app/answers.py)
     oip_outputs: tuple[OipOutput, ...] = ()
+    model: str = ""  # the model version that answers: "name/version" (empty: the default)
     count: int = -1  # images in the request; kept when a stage drops the inputs it used
 
     def __post_init__(self) -> None:
@@ -88,6 +93,7 @@ class Failure:
 @dataclass(frozen=True)
 class Batch:
     jobs: tuple[Job, ...]
+    model: str = ""  # every job's model version, "name/version" (empty: the default model)
     # Decoded crops: uint8 (R, H, W, 3), a host array or (decode: gpu) a tensor on the GPU.
     crops: Any = None
     crop_owners: np.ndarray = field(default_factory=lambda: NO_OWNERS)

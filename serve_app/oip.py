@@ -21,6 +21,7 @@ each in its own ModelStreamInferResponse (completion order, with its `id`), with
 from __future__ import annotations
 
 import asyncio
+import json
 import struct
 
 import grpc
@@ -36,7 +37,8 @@ from serve_app.answers import OIP_PIXELS as PIXELS
 from serve_app.answers import OIP_SCORES as SCORES
 from serve_app.core import ServingCore
 from serve_app.errors import InvalidArgument, RaystreamError, clip, code_for, code_name, message_for
-from serve_app.messages import Answer, Job, OipOutput
+from serve_app.lifecycle import ModelLifecycle
+from serve_app.messages import Answer, Job, OipOutput, Served
 from serve_app.pixels import client_pixels
 from serve_app.streams import StreamRunner, start_task
 from serve_app.v1 import budget_s
@@ -112,26 +114,30 @@ def _outputs(request: oip.ModelInferRequest, embedding_dim: int) -> tuple[OipOut
 
 
 class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, core: ServingCore, streams: StreamRunner) -> None:
+    def __init__(
+        self, core: ServingCore, streams: StreamRunner, models: ModelLifecycle | None = None
+    ) -> None:
+        """`models`: loads and unloads versions (the repository extension); None: absent."""
         self._core = core
         self._streams = streams
+        self._models = models
 
     def _job(self, request: oip.ModelInferRequest, context, flow: str) -> tuple[Job, float | None]:
         core = self._core
         core.check_id(request.id)
-        core.check_model(request.model_name, request.model_version)
+        model = core.check_model(request.model_name, request.model_version)
         names = [i.name for i in request.inputs]
         if names not in ([INPUT], [PIXELS]):
             raise InvalidArgument(
                 f"expected one input tensor, {INPUT!r} (BYTES) or {PIXELS!r} (FP32), "
                 f"got {clip(str(names))}"
             )
-        outputs = _outputs(request, core.engine.embedding_dim)
+        outputs = _outputs(request, model.engine.embedding_dim)
         if any(output.kind == "embedding" for output in outputs):
-            core.check_embedding()
-        top_k = core.top_k(max(output.k for output in outputs) or 1)
+            core.check_embedding(model)
+        top_k = core.top_k(max(output.k for output in outputs) or 1, model)
         if names == [PIXELS]:
-            pixels, images = _pixels(request, core.engine.input_shape), ()
+            pixels, images = _pixels(request, model.engine.input_shape), ()
         else:
             pixels, images = None, _images(request)
         job = Job(
@@ -145,6 +151,7 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
             flow=flow,
             protocol="oip",
             oip_outputs=outputs,
+            model=model.key,
         )
         core.check_count(job.count)
         return job, budget_s(0, context)
@@ -209,26 +216,39 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
         return oip.ServerReadyResponse(ready=not self._streams.draining)
 
     async def ModelReady(self, request, context):
-        core = self._core
-        ready = request.name == core.name and request.version in ("", core.version)
+        try:
+            ready = bool(request.name) and bool(
+                self._core.check_model(request.name, request.version)
+            )
+        except RaystreamError:
+            ready = False
         return oip.ModelReadyResponse(ready=ready and not self._streams.draining)
 
     async def ServerMetadata(self, request, context):
         return oip.ServerMetadataResponse(
-            name="raystream", version="0.1.0", extensions=["classification", "model_stream_infer"]
+            name="raystream",
+            version="0.1.0",
+            extensions=[
+                "classification",
+                "model_stream_infer",
+                "model_configuration",
+                "model_repository",
+                "model_repository(unload_dependents)",
+            ],
         )
 
     async def ModelMetadata(self, request, context):
         core = self._core
         try:
-            core.check_model(request.name, request.version)
+            model = core.check_model(request.name, request.version)
         except RaystreamError as exc:
             await context.abort(grpc.StatusCode[code_name(exc.code)], str(exc))
         tensor = oip.ModelMetadataResponse.TensorMetadata
-        engine = core.engine
+        engine = model.engine
+        versions = [request.version] if request.version else core.versions(model.name)
         return oip.ModelMetadataResponse(
-            name=core.name,
-            versions=[core.version],
+            name=model.name,
+            versions=[v.version if isinstance(v, Served) else v for v in versions],
             platform=f"raystream_{engine.engine}",
             inputs=[
                 tensor(name=INPUT, datatype="BYTES", shape=[-1]),
@@ -244,3 +264,103 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
                 ),
             ],
         )
+
+    # -- Triton's model configuration and model repository extensions -----------------------
+
+    async def ModelConfig(self, request, context):
+        """Triton's model configuration, as far as raystream has one: batch size, tensors,
+        and the versions served (a specific version policy)."""
+        core = self._core
+        try:
+            model = core.check_model(request.name, request.version)
+        except RaystreamError as exc:
+            await context.abort(grpc.StatusCode[code_name(exc.code)], str(exc))
+        engine = model.engine
+        outputs = [
+            oip.ModelOutput(name=SCORES, data_type=oip.TYPE_FP32, dims=[engine.num_classes]),
+            oip.ModelOutput(name=LABELS, data_type=oip.TYPE_STRING, dims=[-1]),
+        ]
+        if engine.embedding_dim:
+            outputs.append(
+                oip.ModelOutput(
+                    name=EMBEDDING, data_type=oip.TYPE_FP32, dims=[engine.embedding_dim]
+                )
+            )
+        versions = [int(m.version) for m in core.versions(model.name) if m.version.isdigit()]
+        return oip.ModelConfigResponse(
+            config=oip.ModelConfig(
+                name=model.name,
+                platform=f"raystream_{engine.engine}",
+                backend="raystream",
+                version_policy=oip.ModelVersionPolicy(
+                    specific=oip.ModelVersionPolicy.Specific(versions=versions)
+                ),
+                max_batch_size=engine.max_batch_size,
+                input=[
+                    oip.ModelInput(name=INPUT, data_type=oip.TYPE_STRING, dims=[1]),
+                    oip.ModelInput(
+                        name=PIXELS, data_type=oip.TYPE_FP32, dims=list(engine.input_shape)
+                    ),
+                ],
+                output=outputs,
+            )
+        )
+
+    async def RepositoryIndex(self, request, context):
+        entries = await asyncio.to_thread(self._models.index, request.ready)
+        index = oip.RepositoryIndexResponse.ModelIndex
+        return oip.RepositoryIndexResponse(
+            models=[
+                index(name=e.name, version=e.version, state=e.state, reason=e.reason)
+                for e in entries
+            ]
+        )
+
+    async def RepositoryModelLoad(self, request, context):
+        """Load `model_name` at the versions of the version policy in the `config`
+        parameter (Triton's), else of its entry in the config (else its latest version),
+        warmed on every replica before it takes traffic; its other versions are then
+        unloaded. Returns once the versions serve."""
+        try:
+            latest, versions = _version_policy(request.parameters)
+            name = request.model_name
+            if "/" in name:  # raystream: "name/version" loads that version beside the others
+                name, version = name.split("/", 1)
+                loaded = [m.version for m in self._core.versions(name)]
+                latest, versions = None, (*loaded, version)
+            await self._models.load(name, latest, versions)
+        except RaystreamError as exc:
+            await context.abort(grpc.StatusCode[code_name(exc.code)], str(exc))
+        return oip.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request, context):
+        """Unload every version of `model_name` (or "name/version": that one) once the
+        requests in flight for it are answered; new requests for it get NOT_FOUND."""
+        try:
+            await self._models.unload(request.model_name)
+        except RaystreamError as exc:
+            await context.abort(grpc.StatusCode[code_name(exc.code)], str(exc))
+        return oip.RepositoryModelUnloadResponse()
+
+
+def _version_policy(parameters) -> tuple[int | None, tuple[str, ...]]:
+    """(latest, versions) from the `config` parameter's version_policy, as Triton reads it:
+    {"latest": {"num_versions": N}}, {"specific": {"versions": [...]}} or {"all": {}}."""
+    if "config" not in parameters:
+        return None, ()
+    try:
+        policy = json.loads(parameters["config"].string_param).get("version_policy") or {}
+        if "latest" in policy:
+            return int(policy["latest"].get("num_versions", 1)), ()
+        if "specific" in policy:
+            versions = tuple(str(v) for v in policy["specific"]["versions"])
+            if not versions:
+                raise ValueError("specific.versions is empty")
+            return None, versions
+        if "all" in policy:
+            return 1 << 30, ()
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise InvalidArgument(f"config parameter: {exc}") from None
+    if policy:
+        raise InvalidArgument(f"unknown version_policy {clip(str(policy))}")
+    return None, ()

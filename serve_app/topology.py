@@ -17,16 +17,25 @@ through the groups as a chain of handle calls (serve_app/ingress.py).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from ray.serve.handle import DeploymentHandle
 
+from engines.repository import ModelRef, ModelSpec, PreprocessSpec, resolve, select_versions
 from serve_app.config import AppConfig, Group
+from serve_app.errors import ModelNotFound, clip
 from serve_app.inference import InferenceStage
 from serve_app.messages import Answer, Batch, Served
 from serve_app.metrics import resident_memory_bytes
 from serve_app.postprocess import PostprocessStage
 from serve_app.preprocess import PreprocessStage, load_model
+from serve_app.registry import POLL_S, ModelRegistry, key_of, split_key
+
+logger = logging.getLogger(__name__)
 
 
 class StageHandle:
@@ -41,31 +50,34 @@ class StageHandle:
     async def run(self, batch: Batch) -> Batch | list[Answer]:
         return await self._handle.run.remote(batch)
 
-    async def info(self) -> Served:
-        return await self._handle.info.remote()
+    async def info(self, key: str = "") -> Served:
+        return await self._handle.info.remote(key)
 
 
-class StageGroup:
-    """The stages of one group, run one after the other on each batch: the code behind a
-    group's deployment (serve_app/app.py), or behind the ingress in topology direct."""
+@dataclass
+class ModelStages:
+    """One model version's stages in a group (those of the group's stages)."""
 
-    @staticmethod
-    def model_spec(config: AppConfig):
-        return load_model(config).spec
+    spec: ModelSpec
+    preprocess: PreprocessStage | None
+    inference: InferenceStage | None
+    postprocess: PostprocessStage | None
 
     @classmethod
-    async def create(cls, config: AppConfig, stages: Group) -> StageGroup:
-        group = cls()
-        model = load_model(config)
-        group.model = model.spec
-        group.preprocess = (
-            PreprocessStage(config, model.spec.preprocess) if "preprocess" in stages else None
+    async def create(
+        cls,
+        config: AppConfig,
+        stages: Group,
+        model: ModelRef,
+        preprocess: Callable[[PreprocessSpec], PreprocessStage],
+    ) -> ModelStages:
+        spec = model.spec
+        return cls(
+            spec,
+            preprocess(spec.preprocess) if "preprocess" in stages else None,
+            await InferenceStage.create(config, model) if "inference" in stages else None,
+            PostprocessStage(spec) if "postprocess" in stages else None,
         )
-        group.inference = (
-            await InferenceStage.create(config, model) if "inference" in stages else None
-        )
-        group.postprocess = PostprocessStage(model.spec) if "postprocess" in stages else None
-        return group
 
     async def run(self, batch: Batch) -> Batch | list[Answer]:
         if self.preprocess is not None:
@@ -77,22 +89,152 @@ class StageGroup:
         return batch
 
     def info(self) -> Served:
+        spec = self.spec
+        return Served(spec.name, spec.version, self.inference.info, spec.embedding_space)
+
+    def close(self) -> None:
+        if self.inference is not None:
+            self.inference.close()
+
+
+def initial_versions(config: AppConfig) -> list[str]:
+    """The model versions served at start: each model's version policy over the repository."""
+    return [
+        key_of(entry.name, version)
+        for entry in config.model_entries
+        for version in select_versions(
+            config.model_repository, entry.name, entry.latest, entry.versions
+        )
+    ]
+
+
+class StageGroup:
+    """The stages of one group, for every model version served: the code behind a group's
+    deployment (serve_app/app.py), or behind the ingress in topology direct. Each batch
+    carries one model version's requests (`Batch.model`; empty: the default model).
+
+    With a registry (serve_app/registry.py), the group follows the application's desired
+    state: it loads and warms new versions, then reports them held; it drops the versions
+    no longer wanted."""
+
+    @staticmethod
+    def model_spec(config: AppConfig):
+        return load_model(config).spec
+
+    @classmethod
+    async def create(
+        cls,
+        config: AppConfig,
+        stages: Group,
+        registry: ModelRegistry | None = None,
+        deployment: str = "",
+        replica: str = "",
+    ) -> StageGroup:
+        group = cls()
+        group._config, group._stages = config, stages
+        group._registry, group._deployment, group._replica = registry, deployment, replica
+        group.models: dict[str, ModelStages] = {}
+        group.failed: dict[str, str] = {}
+        group._preprocess: dict[PreprocessSpec, PreprocessStage] = {}
+        group._user_config: dict | None = None
+        group._default = config.model
+        initial = initial_versions(config)
+        wanted = initial if registry is None else list(registry.start(initial))
+        await group._sync(wanted)
+        group._follow_task = None
+        if registry is not None:
+            group._report()
+            group._follow_task = asyncio.create_task(group._follow())
+        return group
+
+    # -- the models held ----------------------------------------------------------------------
+
+    async def _sync(self, wanted: list[str]) -> None:
+        """Load (and warm) the versions wanted and not held; drop those held and not wanted."""
+        for key in wanted:
+            if key in self.models or key in self.failed:
+                continue
+            name, version = split_key(key)
+            try:
+                model = resolve(self._config.model_repository, name, version)
+                self.models[key] = await ModelStages.create(
+                    self._config, self._stages, model, self._preprocess_stage
+                )
+            except Exception as exc:  # reported: the load that asked for it fails
+                logger.exception("loading %s failed", key)
+                self.failed[key] = f"{type(exc).__name__}: {exc}"
+                continue
+            if self._user_config is not None and self.models[key].inference is not None:
+                self.models[key].inference.reconfigure(self._user_config)
+            logger.info("model %s loaded", key)
+        for key in [key for key in self.models if key not in wanted]:
+            self.models.pop(key).close()
+            logger.info("model %s unloaded", key)
+        for key in [key for key in self.failed if key not in wanted]:
+            del self.failed[key]  # asked again later: tried again
+
+    def _report(self) -> None:
+        self._registry.report(self._deployment, self._replica, self.models, self.failed)
+
+    def stop(self) -> None:
+        """Stop following the registry (tests; a replica follows until it stops)."""
+        if self._follow_task is not None:
+            self._follow_task.cancel()
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                desired = await asyncio.to_thread(self._registry.desired)
+                await self._sync(list(desired))
+                await asyncio.to_thread(self._report)
+            except Exception:  # a bug or a GCS hiccup must not stop following for good
+                logger.exception("following the model registry failed")
+            await asyncio.sleep(POLL_S)
+
+    @property
+    def stages(self) -> Group:
+        return self._stages
+
+    def _preprocess_stage(self, spec: PreprocessSpec) -> PreprocessStage:
+        """Versions that preprocess alike share one stage (its decode threads stay)."""
+        if spec not in self._preprocess:
+            self._preprocess[spec] = PreprocessStage(self._config, spec)
+        return self._preprocess[spec]
+
+    def model(self, key: str) -> ModelStages:
+        """The stages of `key` ("name/version"; empty: the default model's latest held)."""
+        if key in self.models:
+            return self.models[key]
+        if not key:
+            held = [k for k in self.models if split_key(k)[0] == self._default]
+            if held:
+                return self.models[held[-1]]
+        raise ModelNotFound(f"model version {clip(key)!r} is not loaded in this replica")
+
+    async def run(self, batch: Batch) -> Batch | list[Answer]:
+        return await self.model(batch.model).run(batch)
+
+    def info(self, key: str = "") -> Served:
         """What is served: only the group that holds inference knows its engine."""
-        if self.inference is None:
+        if "inference" not in self._stages:
             raise ValueError("only the group that holds inference knows what is served")
-        model = self.model
-        return Served(model.name, model.version, self.inference.info, model.embedding_space)
+        return self.model(key).info()
+
+    def infos(self) -> list[Served]:
+        return [stages.info() for stages in self.models.values()]
 
     def reconfigure(self, user_config: dict) -> None:
-        if self.inference is None:
+        if "inference" not in self._stages:
             raise ValueError("only the group that holds inference takes a batching user_config")
-        self.inference.reconfigure(user_config)
+        self._user_config = user_config
+        for stages in self.models.values():
+            stages.inference.reconfigure(user_config)
 
     def batching(self) -> dict:
-        return self.inference.batching()
+        return self.model("").inference.batching()
 
     def images_inferred(self) -> int:
-        return self.inference.images_inferred
+        return sum(stages.inference.images_inferred for stages in self.models.values())
 
     @staticmethod
     def memory_bytes() -> int:

@@ -108,18 +108,18 @@ class ClassifierService:
         job = Job(id=core.bounded_id(request.request_id))
         try:
             core.check_id(request.request_id)
-            core.check_model(request.model)
-            top_k = core.top_k(request.top_k)
+            model = core.check_model(request.model)
+            top_k = core.top_k(request.top_k, model)
             labels, embedding = outputs(request.outputs)
             if embedding:
-                core.check_embedding()
+                core.check_embedding(model)
             pixels = None
             if request.HasField("pixels"):
                 if request.images:
                     raise InvalidArgument("send images or pixels in a request, not both")
                 tensor = request.pixels
                 pixels = client_pixels(
-                    tuple(tensor.shape), tensor.data, core.engine.input_shape, "pixels"
+                    tuple(tensor.shape), tensor.data, model.engine.input_shape, "pixels"
                 )
             job = Job(
                 id=job.id,
@@ -129,6 +129,7 @@ class ClassifierService:
                 labels=labels,
                 embedding=embedding,
                 flow=flow,
+                model=model.key,
             )
             core.check_count(job.count)
         except RaystreamError as exc:
@@ -196,19 +197,19 @@ class ClassifierService:
     async def GetModelInfo(self, request, context):
         core = self._core
         try:
-            core.check_model(request.model)
+            model = core.check_model(request.model)
         except RaystreamError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         context.set_trailing_metadata(((REPLICA_METADATA, core.replica),))
-        engine = core.engine
+        engine = model.engine
         return pb.ModelInfo(
-            name=core.name,
-            version=core.version,
+            name=model.name,
+            version=model.version,
             engine=engine.engine,
             input_shape=[-1, *engine.input_shape],
             num_classes=engine.num_classes,
             max_batch_size=engine.max_batch_size,
             precision=engine.precision,
             embedding_dim=engine.embedding_dim,
-            embedding_space=core.embedding_space,
+            embedding_space=model.embedding_space,
         )

@@ -260,14 +260,14 @@ def start_app(name: str, model_repository: Path, **args: object):
 
 
 @pytest.fixture(scope="session", params=["chained", "fused", "direct"])
-def server(request, ray_cluster, model_repository: Path) -> str:
+def server(request, ray_cluster, two_versions: Path) -> str:
     """The whole application under real Ray Serve, gRPC on a free loopback port, in each
-    topology (serve_app/topology.py)."""
+    topology (serve_app/topology.py), serving the highest of two versions in its repository."""
     from ray import serve
 
     port, handle = start_app(
         "raystream",
-        model_repository,
+        two_versions,
         topology=request.param,
         engine={"kind": "onnxruntime"},
         limits={"max_images_per_request": 16},
@@ -275,3 +275,27 @@ def server(request, ray_cluster, model_repository: Path) -> str:
     request.config.raystream_ingress = handle  # for tests that inspect the ingress
     yield f"127.0.0.1:{port}"
     serve.shutdown()
+
+
+def add_version(repository: Path, model, version: str) -> None:
+    """Another version of `model` in `repository`: the same weights (its model files linked),
+    its own model.json. (No other pretrained architecture installs offline here.)"""
+    import json
+
+    target = repository / model.spec.name / version
+    target.mkdir(parents=True)
+    for path in model.path.iterdir():
+        if path.is_file() and path.name != "model.json":
+            (target / path.name).symlink_to(path)
+    spec = json.loads(model.spec.to_json())
+    (target / "model.json").write_text(json.dumps({**spec, "version": version}))
+
+
+@pytest.fixture(scope="session")
+def two_versions(model, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A repository with two versions of the default model: the model's own, the highest,
+    and the one below it (versions 1 and 2 where the model is version 2)."""
+    root = tmp_path_factory.mktemp("two-versions")
+    add_version(root, model, str(int(model.spec.version) - 1))
+    add_version(root, model, model.spec.version)
+    return root

@@ -3,7 +3,9 @@
 against raystream.
 Prints one JSON object with what it saw.
 
-    .venv-triton/bin/python tests/integration/tritonclient_check.py 127.0.0.1:9000 a.jpg b.jpg
+    .venv-triton/bin/python tests/integration/tritonclient_check.py 127.0.0.1:9000 1,2 a.jpg b.jpg
+
+(1,2: the versions in the server's repository, older first; the newer one serves.)
 """
 
 import json
@@ -25,7 +27,7 @@ def inputs_for(images: list[bytes]) -> list:
 
 
 def main() -> None:
-    address, paths = sys.argv[1], sys.argv[2:]
+    address, versions, paths = sys.argv[1], sys.argv[2].split(","), sys.argv[3:]
     images = [Path(p).read_bytes() for p in paths]
     client = triton.InferenceServerClient(address)
     seen = {
@@ -63,6 +65,31 @@ def main() -> None:
         if error is None
     }
     seen["stream_errors"] = [str(error) for _, error in stream if error is not None]
+    # Triton's model configuration and model repository extensions.
+    config = client.get_model_config(MODEL).config
+    seen["config"] = {
+        "max_batch_size": config.max_batch_size,
+        "inputs": [i.name for i in config.input],
+        "outputs": [o.name for o in config.output],
+    }
+    index = client.get_model_repository_index().models
+    seen["index"] = sorted([m.name, m.version, m.state] for m in index)
+    policy = {"version_policy": {"specific": {"versions": [int(v) for v in versions]}}}
+    client.load_model(MODEL, config=json.dumps(policy))
+    seen["ready_after_load"] = [client.is_model_ready(MODEL, v) for v in versions]
+    client.unload_model(MODEL)
+    seen["ready_after_unload"] = client.is_model_ready(MODEL)
+    try:
+        client.infer(MODEL, inputs_for(images[:1]))
+    except InferenceServerException as exc:
+        seen["unloaded_status"] = exc.status()
+    client.load_model(MODEL)  # its version policy from the server's config
+    seen["ready_after_reload"] = client.is_model_ready(MODEL)
+    seen["index_ready"] = sorted(
+        [m.name, m.version, m.state]
+        for m in client.get_model_repository_index().models
+        if m.state == "READY"
+    )
     print(json.dumps(seen))
 
 

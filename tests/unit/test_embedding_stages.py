@@ -122,11 +122,11 @@ async def test_an_embedding_request_costs_no_softmax(group, photos, monkeypatch)
 
 async def test_labels_only_batches_carry_no_embeddings(group, photos) -> None:
     batch = Batch(jobs=(Job(id="l", images=(photos["chelsea"],)),))
-    for stage in (group.preprocess, group.inference):
+    for stage in (group.model("").preprocess, group.model("").inference):
         batch = await stage.run(batch)
     assert batch.embeddings is None and batch.top_ids is not None
     batch = Batch(jobs=(Job(id="e", images=(photos["chelsea"],), labels=False, embedding=True),))
-    for stage in (group.preprocess, group.inference):
+    for stage in (group.model("").preprocess, group.model("").inference):
         batch = await stage.run(batch)
     assert batch.embeddings.shape == (1, 1280) and batch.top_ids is None
 

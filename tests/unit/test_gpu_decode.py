@@ -166,7 +166,7 @@ async def test_a_gpu_decode_replica_decodes_the_jpegs_of_waiting_calls_together(
         group.run(batch_of([photos["chelsea"], b"junk", photos["coffee"]], [photos["coffee"]]))
     )
     largest = asyncio.ensure_future(group.run(batch_of(large)))
-    while group.inference._decoding.queued_images < 3 + len(large):
+    while group.model("").inference._decoding.queued_images < 3 + len(large):
         await asyncio.sleep(0.01)
     decoder.gate.set()
     answers = [await first, await later, await largest]

@@ -1,0 +1,206 @@
+"""Loading and unloading model versions at run time, from an ingress replica, with no
+downtime (serve_app/registry.py holds the shared state; docs/operations.md the procedure).
+
+Load: the versions wanted are marked `serve`; every stage replica loads and warms them and
+reports them held; each ingress routes to a version only once every live replica of every
+stage deployment holds it. Then the model's versions outside the new set are unloaded.
+Unload: the version is marked `drain`, so ingresses stop routing new requests to it
+(NOT_FOUND) while those in flight finish; once no ingress reports any in flight, it is
+removed and the stage replicas drop it. A request that named a version is never answered
+by another one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from engines.repository import list_models, list_versions, select_versions
+from serve_app.config import ModelEntry
+from serve_app.core import ServingCore
+from serve_app.errors import DeadlineExceeded, ModelNotFound, Unavailable, clip
+from serve_app.messages import Served
+from serve_app.registry import POLL_S, ModelRegistry, key_of, split_key
+
+logger = logging.getLogger(__name__)
+
+ROUTES = "ingress-routes"  # the deployment name under which ingresses report their routes
+LOAD_TIMEOUT_S = 600.0  # GPU engines capture graphs for minutes
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    name: str
+    version: str
+    state: str  # READY, LOADING, UNLOADING, UNAVAILABLE
+    reason: str = ""
+
+
+class ModelLifecycle:
+    def __init__(
+        self,
+        core: ServingCore,
+        registry: ModelRegistry,
+        stage_deployments: Iterable[str],
+        replica: str,
+        info: Callable[[str], Awaitable[Served]],
+        repository: Path,
+        policies: Iterable[ModelEntry] = (),
+        drain_timeout_s: float = 10.0,
+    ) -> None:
+        """`info(key)`: what a stage replica that holds the version reports of it."""
+        self._core, self._registry = core, registry
+        self._stages = tuple(stage_deployments)
+        self._replica, self._info = replica, info
+        self._repository = repository
+        self._policies = {entry.name: entry for entry in policies}
+        self._drain_timeout_s = drain_timeout_s
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._follow())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    # -- following the desired state --------------------------------------------------------
+
+    async def follow_once(self) -> None:
+        """Route to the versions held everywhere and wanted; stop routing the others;
+        report what this ingress routes or still has in flight."""
+        registry, core = self._registry, self._core
+        desired = await asyncio.to_thread(registry.desired)
+        missing = [k for k, state in desired.items() if state == "serve" and k not in core.models]
+        if missing:
+            held = await asyncio.to_thread(registry.held_everywhere, self._stages)
+            for key in missing:
+                if key in held:
+                    core.add(await self._info(key))
+                    logger.info("routing to %s", key)
+        for key in [key for key in core.models if desired.get(key) != "serve"]:
+            core.retire(key)
+            logger.info("stopped routing to %s", key)
+        busy = set(core.models) | set(core.in_flight_by_model)
+        await asyncio.to_thread(registry.report, ROUTES, self._replica, busy)
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                await self.follow_once()
+            except Exception:  # a bug or a GCS hiccup must not stop following for good
+                logger.exception("following the model registry failed")
+            await asyncio.sleep(POLL_S)
+
+    # -- load and unload ----------------------------------------------------------------------
+
+    def versions_for(
+        self, name: str, latest: int | None = None, versions: tuple[str, ...] = ()
+    ) -> list[str]:
+        """A version policy over the repository; none given: the model's from the config
+        (else its latest version)."""
+        if latest is None and not versions and name in self._policies:
+            latest, versions = self._policies[name].latest, self._policies[name].versions
+        try:
+            return select_versions(self._repository, name, latest, versions)
+        except LookupError as exc:
+            raise ModelNotFound(str(exc)) from None
+
+    async def load(
+        self, name: str, latest: int | None = None, versions: tuple[str, ...] = ()
+    ) -> list[str]:
+        """Serve the versions of `name` its policy picks, warmed everywhere before they take
+        traffic; then unload its other versions. Returns the versions served."""
+        wanted = self.versions_for(name, latest, versions)
+        keys = [key_of(name, version) for version in wanted]
+        async with self._lock:
+            desired = await asyncio.to_thread(self._registry.desired)
+            desired.update(dict.fromkeys(keys, "serve"))
+            await asyncio.to_thread(self._registry.set_desired, desired)
+            await self._until_routed(keys)
+            others = [k for k in desired if split_key(k)[0] == name and k not in keys]
+            await self._unload(others)
+        return wanted
+
+    async def unload(self, name: str, version: str = "") -> list[str]:
+        """Stop serving `name` (every version, or `version`), without failing a request in
+        flight. Returns the versions unloaded."""
+        if "/" in name and not version:
+            name, version = split_key(name)
+        async with self._lock:
+            desired = await asyncio.to_thread(self._registry.desired)
+            keys = [
+                key
+                for key in desired
+                if split_key(key)[0] == name and version in ("", split_key(key)[1])
+            ]
+            if not keys:
+                asked = f"{clip(name)!r}" + (f" version {clip(version)!r}" if version else "")
+                raise ModelNotFound(f"model {asked} is not loaded")
+            await self._unload(keys)
+        return [split_key(key)[1] for key in keys]
+
+    async def _until_routed(self, keys: list[str]) -> None:
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        while not all(key in self._core.models for key in keys):
+            failed = await asyncio.to_thread(self._registry.failures, self._stages)
+            errors = {key: failed[key] for key in keys if key in failed}
+            if errors:
+                desired = await asyncio.to_thread(self._registry.desired)
+                for key in errors:
+                    if key not in self._core.models:
+                        desired.pop(key, None)
+                await asyncio.to_thread(self._registry.set_desired, desired)
+                raise Unavailable(f"loading failed: {errors}")
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(f"{keys} not ready on every replica in {LOAD_TIMEOUT_S} s")
+            await asyncio.sleep(POLL_S)
+
+    async def _unload(self, keys: list[str]) -> None:
+        """Drain `keys` (no new requests; those in flight finish), then remove them."""
+        if not keys:
+            return
+        desired = await asyncio.to_thread(self._registry.desired)
+        desired.update(dict.fromkeys(keys, "drain"))
+        await asyncio.to_thread(self._registry.set_desired, desired)
+        deadline = time.monotonic() + self._drain_timeout_s + 2 * POLL_S
+        while True:
+            await self.follow_once()  # this ingress stops routing them at once
+            await asyncio.sleep(POLL_S)
+            busy = await asyncio.to_thread(self._registry.held_anywhere, ROUTES)
+            if not busy.intersection(keys):
+                break
+            if time.monotonic() > deadline:
+                logger.warning("unloading %s with requests still in flight", keys)
+                break
+        desired = await asyncio.to_thread(self._registry.desired)
+        for key in keys:
+            desired.pop(key, None)
+        await asyncio.to_thread(self._registry.set_desired, desired)
+        logger.info("unloaded %s", keys)
+
+    # -- the repository index -------------------------------------------------------------------
+
+    def index(self, ready_only: bool = False) -> list[IndexEntry]:
+        """Every version in the repository and whether it serves (Triton's states)."""
+        desired = self._registry.desired()
+        entries = []
+        for name in list_models(self._repository):
+            for version in list_versions(self._repository, name):
+                key = key_of(name, version)
+                if key in self._core.models:
+                    entry = IndexEntry(name, version, "READY")
+                elif desired.get(key) == "serve":
+                    entry = IndexEntry(name, version, "LOADING")
+                elif desired.get(key) == "drain":
+                    entry = IndexEntry(name, version, "UNLOADING")
+                else:
+                    entry = IndexEntry(name, version, "UNAVAILABLE", "unloaded")
+                if entry.state == "READY" or not ready_only:
+                    entries.append(entry)
+        return entries

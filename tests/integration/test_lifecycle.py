@@ -1,0 +1,126 @@
+"""No downtime: a version migration under steady load, under real Ray Serve (topology
+chained: three stage deployments follow the load and the unload), watched by plain grpcio
+clients (the generated stubs, not raystream's client) that count every answer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+
+from raystream.oip import grpc_predict_v2_pb2 as oip
+from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
+from raystream.v1 import classifier_pb2 as pb
+from raystream.v1 import classifier_pb2_grpc as pb_grpc
+
+from conftest import start_app
+
+pytestmark = pytest.mark.slow
+MODEL = "efficientnet-lite0"
+PERIOD_S = 0.05  # one request per stream every 50 ms: a steady load the 2-core box keeps up with
+
+
+def oip_request(i: int, photo: bytes, version: str) -> oip.ModelInferRequest:
+    tensor = oip.ModelInferRequest.InferInputTensor(name="images", datatype="BYTES", shape=[1])
+    tensor.contents.bytes_contents.append(photo)
+    return oip.ModelInferRequest(
+        model_name=MODEL, model_version=version, id=str(i), inputs=[tensor]
+    )
+
+
+class Load:
+    """One stream sending a request every PERIOD_S until stopped; every answer kept by id."""
+
+    def __init__(self) -> None:
+        self.stop = asyncio.Event()
+        self.sent = 0
+        self.answers: dict[int, object] = {}
+
+    async def requests(self, make):
+        while not self.stop.is_set():
+            yield make(self.sent)
+            self.sent += 1
+            await asyncio.sleep(PERIOD_S)
+
+    async def oip(self, stub, photo: bytes, version: str) -> None:
+        call = stub.ModelStreamInfer(self.requests(lambda i: oip_request(i, photo, version)))
+        async for answer in call:
+            self.answers[int(answer.infer_response.id)] = answer
+
+    async def v1(self, stub, photo: bytes) -> None:
+        call = stub.Classify(
+            self.requests(lambda i: pb.ClassifyRequest(request_id=str(i), images=[photo]))
+        )
+        async for answer in call:
+            self.answers[int(answer.request_id)] = answer
+
+
+async def test_version_migration_loses_no_request_and_never_switches(
+    ray_cluster, two_versions, model, photos
+) -> None:
+    from ray import serve
+
+    new = model.spec.version
+    old = str(int(new) - 1)
+    port, _ = await asyncio.to_thread(
+        start_app,
+        "lifecycle",
+        two_versions,
+        topology="chained",
+        engine={"kind": "onnxruntime"},
+        models=[{"name": MODEL, "versions": [old]}],
+    )
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            v1, repository = (
+                pb_grpc.ImageClassifierStub(channel),
+                oip_grpc.GRPCInferenceServiceStub(channel),
+            )
+            photo = photos["chelsea"]
+            default, pinned_old, pinned_new = Load(), Load(), Load()
+            tasks = [
+                asyncio.create_task(default.v1(v1, photo)),
+                asyncio.create_task(pinned_old.oip(repository, photo, old)),
+            ]
+            await asyncio.sleep(2)
+            policy = {"version_policy": {"specific": {"versions": [int(old), int(new)]}}}
+            await repository.RepositoryModelLoad(
+                oip.RepositoryModelLoadRequest(
+                    model_name=MODEL,
+                    parameters={
+                        "config": oip.ModelRepositoryParameter(string_param=json.dumps(policy))
+                    },
+                )
+            )
+            ready = await repository.ModelReady(oip.ModelReadyRequest(name=MODEL, version=new))
+            assert ready.ready
+            tasks.append(asyncio.create_task(pinned_new.oip(repository, photo, new)))
+            await asyncio.sleep(2)
+            await repository.RepositoryModelUnload(
+                oip.RepositoryModelUnloadRequest(model_name=f"{MODEL}/{old}")
+            )
+            await asyncio.sleep(2)
+            for load in (default, pinned_old, pinned_new):
+                load.stop.set()
+            await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            index = await repository.RepositoryIndex(oip.RepositoryIndexRequest())
+    finally:
+        await asyncio.to_thread(serve.delete, "lifecycle")
+
+    for load in (default, pinned_old, pinned_new):  # no request lost
+        assert sorted(load.answers) == list(range(load.sent)) and load.sent > 20
+    assert all(not a.HasField("error") for a in default.answers.values())  # none failed
+    assert all(a.infer_response.model_version == new for a in pinned_new.answers.values())
+    assert all(not a.error_message for a in pinned_new.answers.values())
+    # Pinned to the old version: answered by it until the unload, then NOT_FOUND, never by
+    # the new version.
+    outcomes = [pinned_old.answers[i] for i in range(pinned_old.sent)]
+    served = [a.infer_response.model_version for a in outcomes if not a.error_message]
+    assert served and set(served) == {old}
+    first_refused = next(i for i, a in enumerate(outcomes) if a.error_message)
+    assert all(a.error_message.startswith("NOT_FOUND") for a in outcomes[first_refused:])
+    assert all(not a.error_message for a in outcomes[:first_refused])
+    states = {(m.version, m.state) for m in index.models}
+    assert states == {(old, "UNAVAILABLE"), (new, "READY")}

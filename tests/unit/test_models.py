@@ -1,0 +1,130 @@
+"""Several model versions at once, and loading and unloading them at run time: the real
+stages and engines in one process, the registry in memory (no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from engines.repository import ModelNotFoundError, select_versions
+from serve_app.config import STAGES, AppConfig
+from serve_app.core import ServingCore
+from serve_app.errors import Code, ModelNotFound
+from serve_app.lifecycle import ModelLifecycle
+from serve_app.messages import Answer, Job
+from serve_app.registry import MemoryStore, ModelRegistry
+from serve_app.topology import StageGroup
+
+MODEL = "efficientnet-lite0"
+CAT = range(281, 286)
+
+
+def test_version_policies(two_versions) -> None:
+    assert select_versions(two_versions, MODEL) == ["2"]
+    assert select_versions(two_versions, MODEL, latest=5) == ["1", "2"]
+    assert select_versions(two_versions, MODEL, versions=("2", "1")) == ["1", "2"]
+    with pytest.raises(ModelNotFoundError, match="no version"):
+        select_versions(two_versions, MODEL, versions=("3",))
+    with pytest.raises(ValueError, match="not both"):
+        AppConfig(models=[{"name": MODEL, "latest": 1, "versions": ["1"]}])
+    with pytest.raises(ValueError, match="not in models"):
+        AppConfig(models=[{"name": "other"}])
+    with pytest.raises(ValueError, match="only without models"):
+        AppConfig(model_version="1", models=[{"name": MODEL}])
+
+
+@contextlib.asynccontextmanager
+async def served(repository, versions: list[str]):
+    """An ingress' core and lifecycle over one StageGroup (as in topology direct)."""
+    config = AppConfig(
+        model_repository=repository,
+        models=[{"name": MODEL, "versions": versions}],
+        engine={"kind": "onnxruntime", "batch_capacity": 8},
+    )
+    registry = ModelRegistry(MemoryStore(), "test")
+    group = await StageGroup.create(config, STAGES, registry, "Ingress", "r1")
+    core = ServingCore(config, [], group.run)
+
+    async def info(key: str):
+        return group.info(key)
+
+    life = ModelLifecycle(
+        core, registry, {"Ingress"}, "r1", info, repository, config.models, drain_timeout_s=5
+    )
+    await life.follow_once()
+    life.start()
+    try:
+        yield core, life, group
+    finally:
+        life.stop()
+        group.stop()
+
+
+async def ask(core: ServingCore, photo: bytes, model: str) -> Answer:
+    future = asyncio.get_running_loop().create_future()
+    try:
+        key = core.check_model(model).key
+    except ModelNotFound as exc:
+        await asyncio.sleep(0.01)  # refused at once: let the others run
+        return Answer(b"", int(exc.code), str(exc))
+    core.submit(Job(id="x", images=(photo,), model=key), future.set_result, "s", 30.0)
+    return await future
+
+
+async def test_requests_route_by_name_and_version(two_versions, photos) -> None:
+    async with served(two_versions, ["1", "2"]) as (core, _, group):
+        assert sorted(core.models) == [f"{MODEL}/1", f"{MODEL}/2"]
+        assert core.check_model("").version == "2"  # the default model's highest version
+        assert core.check_model(f"{MODEL}/1").version == "1"
+        assert core.check_model(MODEL, "1").version == "1"
+        for model in ("", MODEL, f"{MODEL}/1", f"{MODEL}/2"):
+            answer = await ask(core, photos["chelsea"], model)
+            assert answer.code == 0, answer.message
+        assert (await ask(core, photos["chelsea"], f"{MODEL}/3")).code == Code.NOT_FOUND
+        assert (await ask(core, photos["chelsea"], "resnet")).code == Code.NOT_FOUND
+        assert [s.version for s in group.infos()] == ["1", "2"]
+
+
+async def test_migration_loses_nothing_and_pinned_requests_never_switch(
+    two_versions, photos
+) -> None:
+    """Steady load on v1, on the default and (once it serves) on v2, while v2 loads and v1
+    unloads: every request that asked for a loaded version is answered OK; a request pinned
+    to v1 after its unload gets NOT_FOUND, never v2's answer."""
+    async with served(two_versions, ["1"]) as (core, life, group):
+        answers: list[tuple[str, bool, Answer]] = []
+        stop = asyncio.Event()
+
+        async def client(model: str) -> None:
+            while not stop.is_set():
+                loaded = model == "" or model.rsplit("/", 1)[-1] in {
+                    m.version for m in core.versions(MODEL)
+                }
+                answers.append((model, loaded, await ask(core, photos["chelsea"], model)))
+
+        clients = [asyncio.create_task(client(m)) for m in ("", f"{MODEL}/1", f"{MODEL}/2")]
+        await asyncio.sleep(0.5)
+        assert await life.load(MODEL, versions=("1", "2")) == ["1", "2"]
+        assert sorted(core.models) == [f"{MODEL}/1", f"{MODEL}/2"]
+        await asyncio.sleep(0.5)
+        assert await life.unload(MODEL, "1") == ["1"]
+        await asyncio.sleep(0.5)
+        stop.set()
+        await asyncio.gather(*clients)
+        assert sorted(core.models) == [f"{MODEL}/2"]
+        assert sorted(group.models) == [f"{MODEL}/2"]
+        for model, loaded, answer in answers:
+            if loaded:  # it asked for a version loaded when it was sent
+                assert answer.code in (0, Code.NOT_FOUND), answer.message
+                if answer.code == Code.NOT_FOUND:  # v1, retired before it was sent
+                    assert model.endswith("/1")
+                    assert "in this replica" not in answer.message  # never once in flight
+        ok = {m: sum(1 for mm, _, a in answers if mm == m and a.code == 0) for m, _, _ in answers}
+        assert ok[""] > 0 and ok[f"{MODEL}/1"] > 0 and ok[f"{MODEL}/2"] > 0
+        assert all(a.code == 0 for m, _, a in answers if m == "")  # the default never failed
+        last_v1 = [a for m, _, a in answers if m == f"{MODEL}/1"][-1]
+        assert last_v1.code == Code.NOT_FOUND
+        index = {(e.version, e.state) for e in life.index()}
+        assert index == {("1", "UNAVAILABLE"), ("2", "READY")}
