@@ -187,7 +187,7 @@ class ServingCore:
         """One call through the stages for `items`, answering each. A call that loses a stage
         replica (its process or node gone) is sent once more, with the requests that are
         still waiting: Serve routes it to another replica, or holds it until the replacement
-        is up. Classification has no side effects, so running a request twice is harmless;
+        is up. The stages have no side effects, so running a request twice is harmless;
         a second loss answers UNAVAILABLE (clients send those again)."""
         for attempt in range(1 + STAGE_RETRIES):
             items = [item for item in items if not item.done]  # a deadline answered some

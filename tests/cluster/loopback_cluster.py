@@ -322,7 +322,7 @@ def deploy_raystream(
     entry of `deployments` (name -> settings) updates that deployment's settings, `args` the
     application's. Waits until the application runs."""
     import yaml
-    from support import issue_certificate, write_pem
+    from certificates import issue_certificate, write_pem
 
     config = yaml.safe_load(CLUSTER_CONFIG.read_text())
     app = config["applications"][0]

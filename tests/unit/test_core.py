@@ -52,7 +52,8 @@ async def core(model_repository) -> tuple[ServingCore, Chain]:
     )
     groups = [await StageGroup.create(config, (stage,)) for stage in STAGES]
     chain = Chain(groups)
-    return ServingCore(config, groups[1].info(), chain), chain
+    chain.served = groups[1].info()
+    return ServingCore(config, chain.served, chain), chain
 
 
 def _submit(core: ServingCore, job: Job, budget_s: float | None = None) -> asyncio.Future:
@@ -128,8 +129,8 @@ class LosesReplicas:
         return await self.chain(batch)
 
 
-def _core_over(core: ServingCore, run) -> ServingCore:
-    return ServingCore(core._config, (core.name, core.version, core.engine), run)
+def _core_over(core: ServingCore, run: LosesReplicas) -> ServingCore:
+    return ServingCore(core._config, run.chain.served, run)
 
 
 async def test_a_call_that_loses_a_stage_replica_is_sent_again(core, photos) -> None:
