@@ -255,7 +255,8 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 def summarize(step: StepLoad, samples: list[dict], events: list[dict]) -> dict:
     """Per second: images sent and answered OK, latency p50/p99 (by answer time); replicas
-    running per deployment and Inference's by state; the requests' codes; the headline."""
+    running (or recovering) per deployment and Inference's by state; the requests' codes;
+    the headline."""
     t0 = step.start
     end = max([o.answered or o.sent for o in step.outcomes.values()] + [t0]) - t0
     seconds = int(end) + 1
@@ -271,8 +272,11 @@ def summarize(step: StepLoad, samples: list[dict], events: list[dict]) -> dict:
         {
             "t": round(s["t"] - t0, 2),
             **{state.lower(): n for state, n in s["replicas"].get(INFERENCE, {}).items()},
+            # A restarted controller lists the replicas it takes back as RECOVERING: they
+            # serve meanwhile
             "running_by_deployment": {
-                name: states.get("RUNNING", 0) for name, states in s["replicas"].items()
+                name: states.get("RUNNING", 0) + states.get("RECOVERING", 0)
+                for name, states in s["replicas"].items()
             },
         }
         for s in samples
@@ -409,7 +413,7 @@ def plot(report: dict, path: Path, title: str) -> None:
         names = sorted({n for s in samples for n in s["running_by_deployment"]})
         for i, name in enumerate(names):
             counts = [s["running_by_deployment"].get(name, 0) + i * 0.04 for s in samples]
-            reps.step(times, counts, where="post", label=f"{name} running")
+            reps.step(times, counts, where="post", label=f"{name} running or recovering")
     reps.set_ylabel("replicas")
     reps.set_xlabel("seconds")
     for axis in (rate, lat, reps):
@@ -546,7 +550,7 @@ def main() -> None:
     base = Path(os.environ["OUT"]) / "bench" if os.environ.get("OUT") else HERE / "results"
     out = args.out or base / f"cluster-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
-    with lc.LoopbackCluster() as cluster:
+    with lc.LoopbackCluster(keep_logs=out / "logs") as cluster:
         run = run_autoscale if args.scenario == "autoscale" else run_faults
         report, title = run(cluster, args)
     report["settings"] = {k: str(v) for k, v in vars(args).items()}

@@ -90,6 +90,7 @@ class LoopbackCluster:
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="rs-", dir="/tmp")))
     object_store_bytes: int = 150 * 1024 * 1024
     nodes: dict[str, Node] = field(default_factory=dict)
+    keep_logs: Path | None = None  # where `stop` copies Ray's and the nodes' logs first
 
     def __post_init__(self) -> None:
         if not in_private_network():
@@ -266,6 +267,11 @@ class LoopbackCluster:
                 node.process.kill()
                 node.process.wait()
         _kill_namespace_rest()
+        if self.keep_logs is not None:
+            logs = self.root / "ray" / "session_latest" / "logs"
+            shutil.copytree(logs, self.keep_logs / "ray", dirs_exist_ok=True)
+            for node in self.nodes.values():
+                shutil.copy(node.log, self.keep_logs / node.log.name)
         for _ in range(3):  # a dying process may still write a log line meanwhile
             shutil.rmtree(self.root, ignore_errors=True)
             if not self.root.exists():
