@@ -83,15 +83,15 @@ def _driver(cluster: LoopbackCluster, address: str, token: bool) -> subprocess.C
 def test_every_node_is_on_loopback(cluster) -> None:
     nodes = cluster.alive_nodes()
     assert len(nodes) == 3 and {n["node_ip"] for n in nodes} == {"127.0.0.1"}
-    wildcard = {(address, port, name) for address, port, name in listening_sockets()}
+    sockets = set(listening_sockets())
     # Ray's own servers (GCS, raylets, object managers, dashboard and its agents, the Ray
     # Client server, metrics) bind the node's address; only Serve's replicas bind every
     # interface (Serve's inter-deployment server, and the ingress as the config says).
     elsewhere = {
-        s for s in wildcard if s[0] not in ("127.0.0.1", "::1") and "ServeRepli" not in s[2]
+        s for s in sockets if s[0] not in ("127.0.0.1", "::1") and "ServeRepli" not in s[2]
     }
     assert not elsewhere, elsewhere
-    assert any(port == CLIENT_PORT for _, port, _ in wildcard)
+    assert any(port == CLIENT_PORT for _, port, _ in sockets)
 
 
 def test_a_ray_client_without_the_token_cannot_connect(cluster) -> None:
