@@ -11,7 +11,7 @@ MODEL_STAMP := $(MODELS)/efficientnet-lite0
 TRITON_VENV := .venv-triton
 TRITON_STAMP := $(TRITON_VENV)/.installed-stamp
 
-.PHONY: setup model serve test test-gpu lint format protos clean triton-client
+.PHONY: setup model serve test test-cluster test-gpu lint format protos clean triton-client
 
 # A venv with the pinned project; redone when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -41,7 +41,14 @@ triton-client: $(TRITON_STAMP)
 
 test: model triton-client
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not cluster" $(PYTEST_ARGS)
+
+# The multi-node tests (tests/cluster, about 6 minutes on 2 cores): a head and worker nodes
+# started with `ray start`, every one on 127.0.0.1 in a network namespace of its own with only
+# loopback (unshare: root, or unprivileged user namespaces).
+test-cluster: model
+	unshare --net --map-root-user -- sh -c 'ip link set lo up && exec "$$@"' sh \
+		$(BIN)/python -m pytest -m cluster tests/cluster $(PYTEST_ARGS)
 
 # The tests that need a CUDA GPU (they skip elsewhere), on a GPU host. With .gpu/site.tar.xz
 # (bench/gpu_bundle.sh, for a host with no package registry) they run on the host's torch;

@@ -145,6 +145,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _restore_grpc_verbosity(env)
     if not os.environ.get("RAY_ADDRESS"):  # a local Ray that `serve run` starts: loopback only
         env.update(local_ray.loopback_env())
+        # and Ray's token authentication (Ray's own default for a local instance, asked for
+        # explicitly; RAY_AUTH_MODE=disabled in the environment still turns it off)
+        env.setdefault("RAY_AUTH_MODE", "token")
     # The Serve CLI through this interpreter: works in a venv and on machines where the
     # `serve` console script is not on PATH.
     child = subprocess.Popen(

@@ -23,6 +23,7 @@ from serve_app.answers import failed, with_total_ms
 from serve_app.config import AppConfig
 from serve_app.dispatch import Dispatcher
 from serve_app.errors import (
+    MAX_MESSAGE_CHARS,
     Code,
     DeadlineExceeded,
     InvalidArgument,
@@ -32,11 +33,15 @@ from serve_app.errors import (
     code_for,
     code_name,
     message_for,
+    replica_lost,
 )
 from serve_app.messages import Answer, Batch, Failure, Job, Served
 from serve_app.metrics import IngressMetrics
 
 logger = logging.getLogger(__name__)
+# Calls sent again after losing a stage replica (_call): once covers a replica or node lost
+# mid-call; a request that itself kills replicas (say, by memory) costs at most two.
+STAGE_RETRIES = 1
 
 
 def _number(version: str) -> int:
@@ -221,17 +226,49 @@ class ServingCore:
             del self.in_flight_by_model[job.model]
 
     async def _call(self, model: str, items: list[_Pending]) -> None:
-        batch = Batch(jobs=tuple(item.job for item in items), model=model)
-        try:
-            answers = await self._run(batch)
-        except Exception as exc:
-            code = code_for(exc)
-            if code == Code.INTERNAL:
-                logger.exception("a call of %d requests failed", len(items))
-            failure = Failure(int(code), message_for(exc))
-            answers = [failed(item.job, failure) for item in items]
+        """One call through the stages for `items` (all for `model`), answering each. A call
+        that loses a stage replica (its process or node gone) is sent once more, with the
+        requests that are still waiting: Serve routes it to another replica, or holds it
+        until the replacement is up. The stages have no side effects, so running a request
+        twice is harmless; a second loss answers UNAVAILABLE (clients send those again)."""
+        for attempt in range(1 + STAGE_RETRIES):
+            items = [item for item in items if not item.done]  # a deadline answered some
+            if not items:
+                return
+            try:
+                answers = await self._run(
+                    Batch(jobs=tuple(item.job for item in items), model=model)
+                )
+                break
+            except Exception as exc:
+                if replica_lost(exc) and attempt < STAGE_RETRIES:
+                    logger.warning(
+                        "a stage replica was lost during a call of %d requests (%s); "
+                        "sending them again",
+                        len(items),
+                        message_for(exc),
+                    )
+                    continue
+                failure = self._failure(exc, len(items), attempt)
+                answers = [failed(item.job, failure) for item in items]
+                break
         for item, answer in zip(items, answers, strict=True):
             self._finish(item, answer)
+
+    @staticmethod
+    def _failure(exc: Exception, requests: int, retries: int) -> Failure:
+        """What a failed call answers its requests (called while handling `exc`)."""
+        code = code_for(exc)
+        if code == Code.INTERNAL:
+            logger.exception("a call of %d requests failed", requests)
+        if replica_lost(exc):
+            again = " again" if retries else ""
+            message = (
+                f"a stage replica stopped while running this request{again} (its process "
+                f"or node was lost); send it again: {message_for(exc)}"
+            )
+            return Failure(int(Code.UNAVAILABLE), clip(message, MAX_MESSAGE_CHARS))
+        return Failure(int(code), message_for(exc))
 
     def _finish(self, pending: _Pending, answer: Answer) -> None:
         if pending.done:  # its deadline answered it already

@@ -88,21 +88,40 @@ _FOREIGN_CODES: tuple[tuple[type[BaseException], Code], ...] = (
 )
 
 
+# A stage replica that went away mid-call (its process killed, its node lost): the call's
+# requests may run again elsewhere. A deployment that is unavailable as a whole is not this.
+_REPLICA_LOST = (
+    ray_exceptions.ActorDiedError,
+    ray_exceptions.ActorUnavailableError,
+    ray_exceptions.RayActorError,
+)
+
+
+def _causes(exc: BaseException | None, depth: int = 5):
+    for _ in range(depth):
+        if exc is None:
+            return
+        yield exc
+        exc = exc.__cause__
+
+
+def replica_lost(exc: BaseException) -> bool:
+    """True when `exc` (or what caused it: a chained call wraps its upstream's death) says
+    that a stage replica stopped while running the call."""
+    return any(isinstance(seen, _REPLICA_LOST) for seen in _causes(exc))
+
+
 def code_for(exc: BaseException) -> Code:
     """The gRPC status code that says what went wrong; INTERNAL for anything unexpected.
 
     Follows `__cause__`: Serve wraps an upstream replica's death (ActorDiedError) in a plain
     RayServeException when a chained call loses its input."""
-    seen: BaseException | None = exc
-    for _ in range(5):
-        if seen is None:
-            break
+    for seen in _causes(exc):
         if isinstance(seen, RaystreamError):
             return seen.code
         for kind, code in _FOREIGN_CODES:
             if isinstance(seen, kind):
                 return code
-        seen = seen.__cause__
     return Code.INTERNAL
 
 

@@ -1,7 +1,7 @@
 """`raystream serve` as `make serve` runs it: the local Ray it starts (through `serve run`)
-listens on loopback only, Ray's metrics leave the machine only when asked
-(--expose-metrics), and the console carries what an operator needs: no access-log line per
-Ray call, no warning on every start, no error on every stop."""
+listens on loopback only and refuses drivers without its token, Ray's metrics leave the
+machine only when asked (--expose-metrics), and the console carries what an operator needs:
+no access-log line per Ray call, no warning on every start, no error on every stop."""
 
 from __future__ import annotations
 
@@ -193,6 +193,28 @@ def test_ray_metrics_reach_a_scraper_only_through_expose_metrics(server) -> None
             assert reply.status == 200
             text = reply.read().decode()
     assert "ray_raystream_inference_request_total" in text, text[:2000]
+
+
+def test_a_ray_driver_without_the_token_is_refused(server, tmp_path) -> None:
+    """The local Ray that `raystream serve` starts has Ray's token authentication on: a
+    driver without the token cannot join it (nor run code on it); with it, it can."""
+    address = server.ready.split("Ray cluster ")[1].split(";")[0]
+    code = f"import ray; ray.init(address={address!r}); print('joined', len(ray.nodes()))"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+
+    def driver(**extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", code],
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+
+    refused = driver(HOME=str(tmp_path))  # no ~/.ray/auth_token there
+    assert refused.returncode != 0 and "token" in refused.stderr.lower(), refused.stderr[-2000:]
+    allowed = driver(RAY_AUTH_MODE="token")  # the token `serve run` keeps in ~/.ray/auth_token
+    assert allowed.returncode == 0 and "joined 1" in allowed.stdout, allowed.stderr[-2000:]
 
 
 def test_start_and_stop_print_no_warning_or_error(server) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from ray.exceptions import ActorDiedError
+from ray.serve.exceptions import RayServeException
 
 from raystream.v1 import classifier_pb2 as pb
 from serve_app.config import STAGES, AppConfig, EngineConfig
@@ -15,7 +17,7 @@ from serve_app.core import ServingCore
 from serve_app.messages import Answer, Batch, Job
 from serve_app.topology import StageGroup
 
-DEADLINE_EXCEEDED, INVALID_ARGUMENT, RESOURCE_EXHAUSTED = 4, 3, 8
+DEADLINE_EXCEEDED, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE = 4, 3, 8, 14
 
 
 class Chain:
@@ -50,7 +52,8 @@ async def core(model_repository) -> tuple[ServingCore, Chain]:
     )
     groups = [await StageGroup.create(config, (stage,)) for stage in STAGES]
     chain = Chain(groups)
-    return ServingCore(config, groups[1].info(), chain), chain
+    chain.served = groups[1].info()
+    return ServingCore(config, chain.served, chain), chain
 
 
 def _submit(core: ServingCore, job: Job, budget_s: float | None = None) -> asyncio.Future:
@@ -105,3 +108,57 @@ async def test_an_abandoned_request_is_not_sent(core, photos) -> None:
     chain.gate.set()
     await asyncio.gather(first, kept)
     assert chain.calls == [1, 1] and answered == [] and core.requests_in_flight == 0
+
+
+class LosesReplicas:
+    """The chain, but its first `losses` calls lose a stage replica after `after_s`: Ray's
+    ActorDiedError, wrapped as Serve wraps an upstream replica's death in a chained call."""
+
+    def __init__(self, chain: Chain, losses: int, after_s: float = 0.0) -> None:
+        self.chain, self.losses, self.after_s = chain, losses, after_s
+        self.calls: list[list[str]] = []
+        chain.gate.set()
+
+    async def __call__(self, batch: Batch) -> list[Answer]:
+        self.calls.append([job.id for job in batch.jobs])
+        if len(self.calls) <= self.losses:
+            await asyncio.sleep(self.after_s)
+            lost = RayServeException("the upstream replica died")
+            lost.__cause__ = ActorDiedError()
+            raise lost
+        return await self.chain(batch)
+
+
+def _core_over(core: ServingCore, run: LosesReplicas) -> ServingCore:
+    return ServingCore(core._config, run.chain.served, run)
+
+
+async def test_a_call_that_loses_a_stage_replica_is_sent_again(core, photos) -> None:
+    core, chain = core
+    run = LosesReplicas(chain, losses=1)
+    core = _core_over(core, run)
+    answers = await asyncio.gather(
+        _submit(core, Job(id="cat", images=(photos["chelsea"],))),
+        _submit(core, Job(id="coffee", images=(photos["coffee"],))),
+    )
+    assert [a.code for a in answers] == [0, 0]
+    # The same call again, then the next (max_calls_in_flight=1: "coffee" queued meanwhile)
+    assert run.calls == [["cat"], ["cat"], ["coffee"]]
+    assert core.requests_in_flight == 0
+
+    run = LosesReplicas(chain, losses=1, after_s=0.1)  # the loss comes past a deadline
+    core = _core_over(core, run)
+    late = _submit(core, Job(id="late", images=(photos["coffee"],)), budget_s=0.02)
+    kept = _submit(core, Job(id="kept", images=(photos["coffee"],)))
+    assert (await late).code == DEADLINE_EXCEEDED and (await kept).code == 0
+    assert run.calls == [["late"], ["kept"]]  # the first call took one; "late" not resent
+
+
+async def test_a_second_loss_answers_unavailable_saying_why(core, photos) -> None:
+    core, chain = core
+    run = LosesReplicas(chain, losses=2)
+    core = _core_over(core, run)
+    answer = await _submit(core, Job(id="cat", images=(photos["chelsea"],)))
+    assert answer.code == UNAVAILABLE and len(run.calls) == 2
+    assert "stopped while running this request again" in answer.message
+    assert "send it again" in answer.message

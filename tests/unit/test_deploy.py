@@ -1,6 +1,8 @@
 """Deployment files are valid: the cluster launcher config by Ray's own validation, the Serve
-configs by Serve's schema and by raystream's AppConfig, with room for a redeploy's surge.
-(`raystream serve` run as a user runs it: tests/integration/test_serve.py.)"""
+configs by Serve's schema and by raystream's AppConfig, with room for a redeploy's surge; the
+cluster files keep Ray's token authentication on and its ports inside the cluster.
+(`raystream serve` run as a user runs it: tests/integration/test_serve.py; the cluster config
+on a real multi-node cluster: tests/cluster.)"""
 
 import math
 from pathlib import Path
@@ -13,6 +15,21 @@ from serve_app.config import AppConfig, deployment_name, groups
 from conftest import ROOT
 
 SERVE_CONFIGS = sorted((ROOT / "deploy").glob("serve_config*.yaml"))
+CLUSTER_CONFIG = ROOT / "deploy" / "serve_config.cluster.yaml"  # for a cluster, not one host
+HOST_CONFIGS = [path for path in SERVE_CONFIGS if path != CLUSTER_CONFIG]
+
+
+def _rayservice() -> tuple[dict, dict]:
+    """deploy/rayservice.yaml's RayService and NetworkPolicy."""
+    docs = {
+        d["kind"]: d for d in yaml.safe_load_all((ROOT / "deploy" / "rayservice.yaml").read_text())
+    }
+    return docs["RayService"], docs["NetworkPolicy"]
+
+
+def _args(app: dict) -> dict:
+    """The application's args without the security files, which exist only where it runs."""
+    return {**app["args"], "security": {}}
 
 
 def test_ray_cluster_yaml_passes_rays_validation() -> None:
@@ -31,9 +48,9 @@ def test_serve_configs_are_valid(path: Path) -> None:
     config = yaml.safe_load(path.read_text())
     ServeDeploySchema.model_validate(config)
     app = config["applications"][0]
-    AppConfig.model_validate(app["args"])
+    AppConfig.model_validate(_args(app))
     names = {d["name"] for d in app.get("deployments", [])}
-    config = AppConfig.model_validate({**app["args"], "model_repository": "."})
+    config = AppConfig.model_validate({**_args(app), "model_repository": "."})
     expected = {"Ingress", *map(deployment_name, groups(config))}
     assert names <= expected, f"{path.name} configures deployments its topology lacks"
 
@@ -62,7 +79,7 @@ def _redeploy_need(deployments: list[dict]) -> dict[str, float]:
     return need
 
 
-@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", HOST_CONFIGS, ids=lambda p: p.name)
 def test_serve_configs_leave_room_for_the_redeploy_surge(path: Path) -> None:
     """With max_surge_percent, a redeploy starts the new replicas before the old ones stop,
     and when Ray has no room for them "old replicas keep serving while replacements wait"
@@ -78,7 +95,7 @@ def test_the_kuberay_service_leaves_room_for_the_redeploy_surge() -> None:
     """The same for deploy/rayservice.yaml, against its cluster at its smallest: the head pod
     and the GPU group's minReplicas worker pods (Ray counts a pod's CPU and GPU limits). In
     total only: that each replica fits on one pod is not checked."""
-    service = yaml.safe_load((ROOT / "deploy" / "rayservice.yaml").read_text())["spec"]
+    service = _rayservice()[0]["spec"]
     serve_config = yaml.safe_load(service["serveConfigV2"])
     need = _redeploy_need(serve_config["applications"][0]["deployments"])
     cluster = service["rayClusterConfig"]
@@ -138,7 +155,7 @@ def test_serve_stops_when_the_ingress_cannot_bind_its_port() -> None:
 def test_kuberay_rayservice_embeds_a_valid_serve_config() -> None:
     from ray.serve.schema import ServeDeploySchema
 
-    service = yaml.safe_load((ROOT / "deploy" / "rayservice.yaml").read_text())
+    service = _rayservice()[0]
     assert service["kind"] == "RayService" and service["apiVersion"] == "ray.io/v1"
     serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
     ServeDeploySchema.model_validate(serve_config)
@@ -146,3 +163,60 @@ def test_kuberay_rayservice_embeds_a_valid_serve_config() -> None:
     # Paths in the manifest exist only in the cluster's image: check the rest of the args.
     AppConfig.model_validate({**args, "security": {}})
     assert set(args["security"]) == {"tls_cert", "tls_key", "auth_token_file"}
+
+
+ROLES = {"Ingress": "raystream_ingress", "Preprocess": "raystream_decode"}
+ROLES |= {"Inference": "raystream_inference", "Postprocess": "raystream_decode"}
+
+
+def test_the_cluster_config_places_each_stage_by_its_nodes_resource() -> None:
+    """Each deployment asks for its role's custom resource, which ray_cluster.yaml's node
+    types declare; clients reach it from other machines, so with TLS and a token."""
+    app = yaml.safe_load(CLUSTER_CONFIG.read_text())["applications"][0]
+    launcher = yaml.safe_load((ROOT / "ray_cluster.yaml").read_text())
+    declared = {r for t in launcher["available_node_types"].values() for r in t["resources"]}
+    for d in app["deployments"]:
+        assert set(d["ray_actor_options"]["resources"]) == {ROLES[d["name"]]}, d["name"]
+    assert set(ROLES.values()) <= declared
+    assert app["args"]["host"] == "0.0.0.0"
+    assert set(app["args"]["security"]) == {"tls_cert", "tls_key", "auth_token_file"}
+
+
+def test_the_cluster_launcher_turns_token_auth_on_and_keeps_the_dashboard_local() -> None:
+    config = yaml.safe_load((ROOT / "ray_cluster.yaml").read_text())
+    starts = [
+        command
+        for key in ("head_start_ray_commands", "worker_start_ray_commands")
+        for command in config[key]
+        if "ray start" in command
+    ]
+    assert len(starts) == 2 and all("RAY_AUTH_MODE=token " in c for c in starts)
+    assert "~/.ray/auth_token" in config["file_mounts"]  # the same token on every node
+    [head] = [c for c in config["head_start_ray_commands"] if "ray start" in c]
+    assert "--dashboard-host=127.0.0.1" in head
+    text = (ROOT / "ray_cluster.yaml").read_text()
+    assert "0.0.0.0" not in text and "ray-client-server-port" not in text
+
+
+def test_the_kuberay_service_turns_token_auth_on_and_keeps_ray_inside_the_cluster() -> None:
+    service, policy = _rayservice()
+    cluster = service["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token", "secretName": "raystream-ray-token"}
+    head = cluster["headGroupSpec"]
+    assert head["serviceType"] == "ClusterIP"
+    # The operator deploys the Serve config through the dashboard, over the head Service:
+    # it must listen on the pod's address (KubeRay's default), behind the token.
+    assert "dashboard-host" not in head["rayStartParams"]
+    [container] = head["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"gcs-server": 6379, "dashboard": 8265, "metrics": 8080, "grpc": 9000}
+    # The NetworkPolicy covers every Ray pod, and opens only gRPC to anyone.
+    label = policy["spec"]["podSelector"]["matchLabels"]
+    groups = [head, *cluster["workerGroupSpecs"]]
+    assert all(g["template"]["metadata"]["labels"].items() >= label.items() for g in groups)
+    rules = policy["spec"]["ingress"]
+    from_anyone = [r for r in rules if "from" not in r]
+    assert [p["port"] for r in from_anyone for p in r["ports"]] == [9000]
+    dashboard = [r for r in rules if any(p["port"] == 8265 for p in r.get("ports", []))]
+    [operator] = dashboard[0]["from"]
+    assert operator["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kuberay-operator"}

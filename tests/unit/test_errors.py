@@ -2,10 +2,15 @@
 
 import grpc
 from ray.exceptions import ActorDiedError
-from ray.serve.exceptions import BackPressureError, RayServeException
+from ray.serve._private.common import DeploymentID
+from ray.serve.exceptions import (
+    BackPressureError,
+    DeploymentUnavailableError,
+    RayServeException,
+)
 
 from engines.images import InvalidImage
-from serve_app.errors import Code, Overloaded, code_for, code_name, message_for
+from serve_app.errors import Code, Overloaded, code_for, code_name, message_for, replica_lost
 
 
 def test_error_codes_follow_the_cause_chain() -> None:
@@ -36,3 +41,12 @@ def test_messages_are_one_line() -> None:
     assert message_for(InvalidImage("image is empty (0 bytes)")) == "image is empty (0 bytes)"
     assert message_for(Overloaded("queue is full")) == "queue is full"
     assert message_for(RuntimeError("boom\ntraceback...")) == "RuntimeError: boom"
+
+
+def test_a_lost_replica_is_told_apart_from_an_unavailable_deployment() -> None:
+    wrapped = RayServeException("upstream actor died")
+    wrapped.__cause__ = ActorDiedError()
+    assert replica_lost(wrapped) and replica_lost(ActorDiedError())
+    gone = DeploymentUnavailableError(DeploymentID(name="Inference", app_name="raystream"))
+    assert not replica_lost(gone) and code_for(gone) == Code.UNAVAILABLE
+    assert not replica_lost(RuntimeError("boom"))
