@@ -75,6 +75,11 @@ class Stages:
     def reconfigure(self, user_config: dict) -> None:
         self._group.reconfigure(user_config)
 
+    def __del__(self) -> None:
+        # Serve calls it when it stops the replica: stop polling the registry first, so no
+        # poll runs into the process's shutdown.
+        self._group.stop()
+
     def replica_id(self) -> str:
         """This replica's Serve id (operators and tests: which replica answered)."""
         return serve.get_replica_context().replica_id.unique_id

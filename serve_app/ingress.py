@@ -177,6 +177,7 @@ class Ingress:
         # report NOT_SERVING so balancers move on, refuse new calls, stop reading streams,
         # and give what was read `drain_timeout_s` to be answered.
         if self._server is not None:
+            self._models.stop()  # no registry poll runs into the process's shutdown
             await self._health.enter_graceful_shutdown()
             self._streams.drain()
             await self._server.stop(grace=self._config.limits.drain_timeout_s)
