@@ -21,12 +21,19 @@ MODEL = "efficientnet-lite0"
 CAT = range(281, 286)
 
 
-def test_version_policies(two_versions) -> None:
-    assert select_versions(two_versions, MODEL) == ["2"]
-    assert select_versions(two_versions, MODEL, latest=5) == ["1", "2"]
-    assert select_versions(two_versions, MODEL, versions=("2", "1")) == ["1", "2"]
+@pytest.fixture(scope="module")
+def versions(model) -> tuple[str, str]:
+    """two_versions' versions: the one below the model's own, and the model's own."""
+    return str(int(model.spec.version) - 1), model.spec.version
+
+
+def test_version_policies(two_versions, versions) -> None:
+    old, new = versions
+    assert select_versions(two_versions, MODEL) == [new]
+    assert select_versions(two_versions, MODEL, latest=5) == [old, new]
+    assert select_versions(two_versions, MODEL, versions=(new, old)) == [old, new]
     with pytest.raises(ModelNotFoundError, match="no version"):
-        select_versions(two_versions, MODEL, versions=("3",))
+        select_versions(two_versions, MODEL, versions=(str(int(new) + 1),))
     with pytest.raises(ValueError, match="not both"):
         AppConfig(models=[{"name": MODEL, "latest": 1, "versions": ["1"]}])
     with pytest.raises(ValueError, match="not in models"):
@@ -73,27 +80,30 @@ async def ask(core: ServingCore, photo: bytes, model: str) -> Answer:
     return await future
 
 
-async def test_requests_route_by_name_and_version(two_versions, photos) -> None:
-    async with served(two_versions, ["1", "2"]) as (core, _, group):
-        assert sorted(core.models) == [f"{MODEL}/1", f"{MODEL}/2"]
-        assert core.check_model("").version == "2"  # the default model's highest version
-        assert core.check_model(f"{MODEL}/1").version == "1"
-        assert core.check_model(MODEL, "1").version == "1"
-        for model in ("", MODEL, f"{MODEL}/1", f"{MODEL}/2"):
+async def test_requests_route_by_name_and_version(two_versions, versions, photos) -> None:
+    old, new = versions
+    async with served(two_versions, [old, new]) as (core, _, group):
+        assert sorted(core.models) == [f"{MODEL}/{old}", f"{MODEL}/{new}"]
+        assert core.check_model("").version == new  # the default model's highest version
+        assert core.check_model(f"{MODEL}/{old}").version == old
+        assert core.check_model(MODEL, old).version == old
+        for model in ("", MODEL, f"{MODEL}/{old}", f"{MODEL}/{new}"):
             answer = await ask(core, photos["chelsea"], model)
             assert answer.code == 0, answer.message
-        assert (await ask(core, photos["chelsea"], f"{MODEL}/3")).code == Code.NOT_FOUND
+        missing = f"{MODEL}/{int(new) + 1}"
+        assert (await ask(core, photos["chelsea"], missing)).code == Code.NOT_FOUND
         assert (await ask(core, photos["chelsea"], "resnet")).code == Code.NOT_FOUND
-        assert [s.version for s in group.infos()] == ["1", "2"]
+        assert [s.version for s in group.infos()] == [old, new]
 
 
 async def test_migration_loses_nothing_and_pinned_requests_never_switch(
-    two_versions, photos
+    two_versions, versions, photos
 ) -> None:
     """Steady load on v1, on the default and (once it serves) on v2, while v2 loads and v1
     unloads: every request that asked for a loaded version is answered OK; a request pinned
     to v1 after its unload gets NOT_FOUND, never v2's answer."""
-    async with served(two_versions, ["1"]) as (core, life, group):
+    old, new = versions
+    async with served(two_versions, [old]) as (core, life, group):
         answers: list[tuple[str, bool, Answer]] = []
         stop = asyncio.Event()
 
@@ -104,27 +114,27 @@ async def test_migration_loses_nothing_and_pinned_requests_never_switch(
                 }
                 answers.append((model, loaded, await ask(core, photos["chelsea"], model)))
 
-        clients = [asyncio.create_task(client(m)) for m in ("", f"{MODEL}/1", f"{MODEL}/2")]
+        clients = [asyncio.create_task(client(m)) for m in ("", f"{MODEL}/{old}", f"{MODEL}/{new}")]
         await asyncio.sleep(0.5)
-        assert await life.load(MODEL, versions=("1", "2")) == ["1", "2"]
-        assert sorted(core.models) == [f"{MODEL}/1", f"{MODEL}/2"]
+        assert await life.load(MODEL, versions=(old, new)) == [old, new]
+        assert sorted(core.models) == [f"{MODEL}/{old}", f"{MODEL}/{new}"]
         await asyncio.sleep(0.5)
-        assert await life.unload(MODEL, "1") == ["1"]
+        assert await life.unload(MODEL, old) == [old]
         await asyncio.sleep(0.5)
         stop.set()
         await asyncio.gather(*clients)
-        assert sorted(core.models) == [f"{MODEL}/2"]
-        assert sorted(group.models) == [f"{MODEL}/2"]
+        assert sorted(core.models) == [f"{MODEL}/{new}"]
+        assert sorted(group.models) == [f"{MODEL}/{new}"]
         for model, loaded, answer in answers:
             if loaded:  # it asked for a version loaded when it was sent
                 assert answer.code in (0, Code.NOT_FOUND), answer.message
                 if answer.code == Code.NOT_FOUND:  # v1, retired before it was sent
-                    assert model.endswith("/1")
+                    assert model.endswith(f"/{old}")
                     assert "in this replica" not in answer.message  # never once in flight
         ok = {m: sum(1 for mm, _, a in answers if mm == m and a.code == 0) for m, _, _ in answers}
-        assert ok[""] > 0 and ok[f"{MODEL}/1"] > 0 and ok[f"{MODEL}/2"] > 0
+        assert ok[""] > 0 and ok[f"{MODEL}/{old}"] > 0 and ok[f"{MODEL}/{new}"] > 0
         assert all(a.code == 0 for m, _, a in answers if m == "")  # the default never failed
-        last_v1 = [a for m, _, a in answers if m == f"{MODEL}/1"][-1]
+        last_v1 = [a for m, _, a in answers if m == f"{MODEL}/{old}"][-1]
         assert last_v1.code == Code.NOT_FOUND
         index = {(e.version, e.state) for e in life.index()}
-        assert index == {("1", "UNAVAILABLE"), ("2", "READY")}
+        assert index == {(old, "UNAVAILABLE"), (new, "READY")}
