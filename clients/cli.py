@@ -371,6 +371,21 @@ def _connection(args: argparse.Namespace) -> dict:
     }
 
 
+def _add_stream_options(p: argparse.ArgumentParser) -> None:
+    """The options of the commands that send files over one stream (classify, embed)."""
+    p.add_argument("--server", default=DEFAULT_SERVER, help="host:port (default %(default)s)")
+    p.add_argument("--batch-size", type=count(), default=16, help="images per request")
+    p.add_argument("--timeout", type=seconds, default=None, help="stream deadline in seconds")
+    p.add_argument(
+        "--connections",
+        type=count(),
+        default=1,
+        help="spread the stream over up to this many connections, each on another ingress "
+        "replica (topology direct with several replicas)",
+    )
+    _add_connection_options(p)
+
+
 def _add_connection_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", help="bearer token (default: $RAYSTREAM_TOKEN)")
     p.add_argument("--tls-ca", help="connect with TLS, trusting this CA certificate (PEM)")
@@ -450,19 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
         "bidirectional stream and print the top labels per file.",
     )
     p.add_argument("paths", nargs="+", help="image files or folders")
-    p.add_argument("--server", default=DEFAULT_SERVER, help="host:port (default %(default)s)")
     p.add_argument("--top-k", type=count(), default=5, help="labels per image (default 5)")
-    p.add_argument("--batch-size", type=count(), default=16, help="images per request")
     p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
-    p.add_argument("--timeout", type=seconds, default=None, help="stream deadline in seconds")
-    p.add_argument(
-        "--connections",
-        type=count(),
-        default=1,
-        help="spread the stream over up to this many connections, each on another ingress "
-        "replica (topology direct with several replicas)",
-    )
-    _add_connection_options(p)
+    _add_stream_options(p)
     p.set_defaults(func=cmd_classify)
 
     p = sub.add_parser(
@@ -481,17 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="parquet (needs pyarrow: pip install 'raystream[parquet]') or npy (a NumPy "
         "structured array); default: npy for a .npy --out, else parquet",
     )
-    p.add_argument("--server", default=DEFAULT_SERVER, help="host:port (default %(default)s)")
-    p.add_argument("--batch-size", type=count(), default=16, help="images per request")
-    p.add_argument("--timeout", type=seconds, default=None, help="stream deadline in seconds")
-    p.add_argument(
-        "--connections",
-        type=count(),
-        default=1,
-        help="spread the stream over up to this many connections, each on another ingress "
-        "replica (topology direct with several replicas)",
-    )
-    _add_connection_options(p)
+    _add_stream_options(p)
     p.set_defaults(func=cmd_embed)
 
     p = sub.add_parser(
