@@ -19,7 +19,7 @@ from conftest import start_app
 
 pytestmark = pytest.mark.slow
 MODEL = "efficientnet-lite0"
-PERIOD_S = 0.05  # one request per stream every 50 ms: a steady load the 2-core box keeps up with
+PERIOD_S = 0.05  # one request per stream every 50 ms: a steady load a 2-core machine keeps up with
 
 
 def oip_request(i: int, photo: bytes, version: str) -> oip.ModelInferRequest:
