@@ -124,8 +124,14 @@ class InferenceStage:
         self.reconfigure(BatchingConfig().model_dump())
         logger.info("engine ready: %s", self._engine.info)
 
-    def close(self) -> None:
-        """Release the engine (unload): after the batches already handed to its threads."""
+    async def close(self) -> None:
+        """Release the engine (unload): after the batches already handed to its threads.
+        The batchers' workers stop, and with decode: gpu the decode thread."""
+        batchers = list(self._batchers.values())
+        if self._gpu_decoder is not None:
+            batchers.append(self._decoding)
+            self._decode_executor.shutdown(wait=False)
+        await asyncio.gather(*(batcher.close() for batcher in batchers))
         self._executor.submit(self._engine.close)
         self._executor.shutdown(wait=False)
 

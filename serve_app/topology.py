@@ -92,9 +92,9 @@ class ModelStages:
         spec = self.spec
         return Served(spec.name, spec.version, self.inference.info, spec.embedding_space)
 
-    def close(self) -> None:
+    async def close(self) -> None:
         if self.inference is not None:
-            self.inference.close()
+            await self.inference.close()
 
 
 def initial_versions(config: AppConfig) -> list[str]:
@@ -168,7 +168,7 @@ class StageGroup:
                 self.models[key].inference.reconfigure(self._user_config)
             logger.info("model %s loaded", key)
         for key in [key for key in self.models if key not in wanted]:
-            self.models.pop(key).close()
+            await self.models.pop(key).close()
             logger.info("model %s unloaded", key)
         for key in [key for key in self.failed if key not in wanted]:
             del self.failed[key]  # asked again later: tried again
