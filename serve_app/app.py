@@ -12,13 +12,12 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
-from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig, BatchingConfig, Group, deployment_name, groups
 from serve_app.ingress import Ingress
 from serve_app.messages import Answer, Batch, Served
 from serve_app.registry import ModelRegistry, RayStore
-from serve_app.topology import StageGroup, StageHandle, initial_versions
+from serve_app.topology import StageGroup, initial_versions
 
 # Topology direct: the replica runs raystream on Serve's own event loop, not on a second
 # loop in a second thread (Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED does the same): the
@@ -42,11 +41,11 @@ DEFAULTS = {
 
 @serve.deployment
 class Stages:
-    """A group of stages as a Serve deployment: a thin shell over StageGroup. Each group
-    passes its result to the next group itself (`next`), so the ingress makes one call per
-    micro-batch whatever the topology, and the stage replicas make the others."""
+    """A group of stages as a Serve deployment: a thin shell over StageGroup. The ingress
+    chains the groups' calls (serve_app/topology.py, StageChain): each gets the previous
+    group's result straight from the replica that made it."""
 
-    async def __init__(self, config: dict, stages: Group, next: DeploymentHandle | None) -> None:
+    async def __init__(self, config: dict, stages: Group) -> None:
         config = AppConfig.model_validate(config)
         context = serve.get_replica_context()
         self._group = await StageGroup.create(
@@ -56,20 +55,16 @@ class Stages:
             deployment_name(stages),
             context.replica_id.unique_id,
         )
-        self._next = None if next is None else StageHandle(next)
         self.batching = self._group.batching
         self.images_inferred = self._group.images_inferred
         self.memory_bytes = self._group.memory_bytes
 
     async def run(self, batch: Batch) -> Batch | list[Answer]:
-        batch = await self._group.run(batch)
-        return batch if self._next is None else await self._next.run(batch)
+        return await self._group.run(batch)
 
     async def info(self, key: str = "") -> Served:
         """What is served: a model version ("name/version"; empty: the default model) and
-        its engine, as the group that holds inference reports it."""
-        if "inference" not in self._group.stages:
-            return await self._next.info(key)
+        its engine (the group that holds inference answers)."""
         return self._group.info(key)
 
     def reconfigure(self, user_config: dict) -> None:
@@ -99,8 +94,9 @@ def build_app(args: dict[str, Any]) -> Application:
         env_vars = {name: os.environ.get(name, value) for name, value in DIRECT_REPLICA_ENV.items()}
         options = {**Ingress.ray_actor_options, "runtime_env": {"env_vars": env_vars}}
         return Ingress.options(ray_actor_options=options).bind(shared)
-    stages = None  # bound last to first: each group gets the handle of the next
-    for group in reversed(stage_groups):
-        name = deployment_name(group)
-        stages = Stages.options(name=name, **DEFAULTS[name]).bind(shared, group, stages)
-    return Ingress.bind(shared, stages)
+    stages = [
+        Stages.options(name=name, **DEFAULTS[name]).bind(shared, group)
+        for group in stage_groups
+        for name in [deployment_name(group)]
+    ]
+    return Ingress.bind(shared, *stages)

@@ -4,7 +4,7 @@ with health and reflection, on the serving core (serve_app/core.py).
 
 Ray Serve's own gRPC proxy costs about 18x a plain grpc.aio server per bidi message, so the
 ingress runs its own server on the replica's event loop. It sends micro-batches of requests
-through the stage deployments as one chain of handle calls (topology.py decides the chain);
+through the stage deployments as a chain of handle calls (topology.py, StageChain);
 in topology `direct` it runs the stages itself. This layer (with v1.py, oip.py and
 security.py) is the only one that imports grpc and turns errors into status codes.
 """
@@ -23,16 +23,16 @@ from ray.serve.handle import DeploymentHandle
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from serve_app import v1
-from serve_app.config import STAGES, AppConfig, deployment_names
+from serve_app.config import STAGES, AppConfig, deployment_names, groups
 from serve_app.core import ServingCore
 from serve_app.lifecycle import ModelLifecycle
-from serve_app.messages import Answer, Batch, Served
+from serve_app.messages import Served
 from serve_app.metrics import resident_memory_bytes
 from serve_app.oip import OpenInferenceService
 from serve_app.registry import POLL_S, ModelRegistry, RayStore
 from serve_app.security import TokenAuth, server_credentials
 from serve_app.streams import StreamRunner
-from serve_app.topology import StageGroup, StageHandle, initial_versions
+from serve_app.topology import StageChain, StageGroup, initial_versions
 
 logger = logging.getLogger(__name__)
 
@@ -47,20 +47,19 @@ SERVICE_NAMES = (
 class Ingress:
     """Starts the gRPC server in this replica; it serves until the replica stops.
 
-    `stages`: the handle of the first stage deployment (each passes its result on to the
-    next); None in topology `direct`, where this replica runs the stages and takes the
-    batching `user_config` that the Inference deployment takes otherwise."""
+    `stages`: the handles of the stage deployments, in order; none in topology `direct`,
+    where this replica runs the stages and takes the batching `user_config` that the
+    Inference deployment takes otherwise."""
 
-    async def __init__(self, config: dict, stages: DeploymentHandle | None = None) -> None:
+    async def __init__(self, config: dict, *stages: DeploymentHandle) -> None:
         self._server: grpc.aio.Server | None = None
         self._config = AppConfig.model_validate(config)
         self._local: StageGroup | None = None
         replica = serve.get_replica_context().replica_id.unique_id
         registry = ModelRegistry(RayStore(), self._config.instance)
-        if stages is not None:
-            self._stages = StageHandle(stages)
-            info = self._stages.info
-            run = self._chain
+        if stages:
+            chain = StageChain(list(stages), groups(self._config))
+            info, run = chain.info, chain.run
             stage_deployments = deployment_names(self._config.topology)
         else:
             self._local = await StageGroup.create(
@@ -138,10 +137,6 @@ class Ingress:
 
     async def _local_info(self, key: str) -> Served:
         return self._local.info(key)
-
-    async def _chain(self, batch: Batch) -> list[Answer]:
-        """One call through the stage deployments; the first passes its result on."""
-        return await self._stages.run(batch)
 
     def reconfigure(self, user_config: dict) -> None:
         if self._local is None:

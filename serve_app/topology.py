@@ -38,20 +38,32 @@ from serve_app.registry import POLL_S, ModelRegistry, key_of, split_key
 logger = logging.getLogger(__name__)
 
 
-class StageHandle:
-    """Calls to a stage deployment, through Ray's object store. (Serve's gRPC transport,
-    `_by_reference=False`, cost its caller a third of the CPU per call on a 2-core CPU
-    machine, but answers past its 4 MiB message limit failed whole calls, and a soak grew
-    the ingress by 100 MB: not used until both are solved.)"""
+class StageChain:
+    """The calls of one micro-batch through the stage deployments, made by the ingress: each
+    call takes the previous one's response as its argument, so Serve routes it once that
+    result is ready and the replica fetches it from the one that made it. Every result
+    crosses one hop, and the answers (with their embeddings) come back to the ingress
+    straight from the last group, not back up through each group before it.
 
-    def __init__(self, handle: DeploymentHandle) -> None:
-        self._handle = handle
+    Through Ray's object store. (Serve's gRPC transport, `_by_reference=False`, cost its
+    caller a third of the CPU per call on a 2-core CPU machine, but answers past its 4 MiB
+    message limit failed whole calls, and a soak grew the ingress by 100 MB: not used until
+    both are solved.)"""
 
-    async def run(self, batch: Batch) -> Batch | list[Answer]:
-        return await self._handle.run.remote(batch)
+    def __init__(self, handles: list[DeploymentHandle], groups: tuple[Group, ...]) -> None:
+        self._handles = handles
+        self._inference = next(
+            handle for handle, group in zip(handles, groups, strict=True) if "inference" in group
+        )
+
+    async def run(self, batch: Batch) -> list[Answer]:
+        response = batch
+        for handle in self._handles:
+            response = handle.run.remote(response)
+        return await response
 
     async def info(self, key: str = "") -> Served:
-        return await self._handle.info.remote(key)
+        return await self._inference.info.remote(key)
 
 
 @dataclass
