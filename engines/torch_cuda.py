@@ -1,9 +1,9 @@
 """torch-CUDA engine: FP16/BF16 (or FP32), channels-last, one CUDA graph per batch bucket.
 
 Start-up: load the module (the torch.export program written by `raystream export`), warm it
-up with cuDNN autotuning, optionally `torch.compile` it (default mode, no autotuning, so
-start-up stays bounded) for buckets from `compile_min_batch` up, capture one CUDA graph per
-bucket and slot (engines/cuda_graphs.py), and time each replay for the bucket planner. The
+up, optionally `torch.compile` it (default mode, no autotuning, so start-up stays bounded)
+for buckets from `compile_min_batch` up, capture one CUDA graph per bucket and slot
+(engines/cuda_graphs.py), and time each replay for the bucket planner. The
 replica reports ready only after all of this, so no request pays for it.
 """
 
@@ -42,8 +42,12 @@ class TorchCudaEngine(GraphEngine):
         compile_min_batch: int | None = None,
         plan_by_latency: bool = True,
         blocking_sync: bool = False,
+        autotune: bool = False,
     ) -> None:
         """`module` returns the logits, or (logits, embedding) where `embedding_dim` > 0.
+        autotune: cuDNN times every convolution algorithm for each bucket's shapes at
+        start-up. Off by default: on an H200 it added 16 s to EfficientNet-Lite0's start and
+        left every bucket's replay time unchanged (bench/gpu_startup.py).
         blocking_sync: every wait for the GPU in this process sleeps instead of spinning
         a core (cuda_graphs.sleep_in_every_gpu_wait), the nvJPEG decoder's included."""
         if precision not in DTYPES:
@@ -68,7 +72,7 @@ class TorchCudaEngine(GraphEngine):
             device=str(self.device),
             embedding_dim=embedding_dim,
         )
-        torch.backends.cudnn.benchmark = True
+        torch.backends.cudnn.benchmark = autotune
         self._module = module.to(self.device, self.dtype).to(memory_format=torch.channels_last)
         self._compiled = (
             torch.compile(self._module, dynamic=False) if compile_min_batch is not None else None
@@ -123,7 +127,7 @@ class TorchCudaEngine(GraphEngine):
         )
         slot.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(slot.stream):
-            for _ in range(3):  # cuDNN autotuning, compilation and lazy init happen here
+            for _ in range(3):  # autotuning, compilation and lazy init happen here
                 fn(static_in)
         slot.stream.synchronize()
         graph = torch.cuda.CUDAGraph()
