@@ -36,7 +36,8 @@ from serve_app.answers import failed, oip_answer, oip_widths, v1_answer
 from serve_app.messages import Answer, Failure, Fragment, Job, Served, StageTiming
 
 # What an entry costs beyond its key's and fragment's bytes: the OrderedDict's node and the
-# objects' headers (measured with tracemalloc: ~150-230 bytes for a v1 fragment).
+# objects' headers (tracemalloc: ~140 bytes for a v1 fragment, a node of ~75 and two bytes
+# objects' 33 each; ~280 for an OIP fragment of three rows).
 ENTRY_OVERHEAD = 200
 KEY_BYTES = 16
 
