@@ -213,7 +213,7 @@ class CachedRequests:
             else:
                 lead[key] = [position]
         if lead:
-            images = tuple(request.job.images[positions[0]] for positions in lead.values())
+            images = tuple(request.job.images[mine[0]] for mine in lead.values())
             job = dataclasses.replace(request.job, images=images, count=len(images), fragments=True)
             part = Part(request, job, tuple(lead))
             for key, mine in lead.items():
