@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -76,6 +77,10 @@ class ServingCore:
         self._limits = config.limits
         self.default = config.model  # the model of requests that name none
         self.models: dict[str, Served] = {}  # "name/version" -> what answers it
+        # Each time a version is routed it gets a new number, part of the result cache's
+        # keys: a version unloaded and loaded again (perhaps exported again) starts afresh.
+        self._routings = itertools.count()
+        self._routed: dict[str, int] = {}
         for model in [models] if isinstance(models, Served) else models:
             self.add(model)
         self._run = run
@@ -100,6 +105,7 @@ class ServingCore:
     def add(self, model: Served) -> None:
         """Route requests to `model` from now on."""
         self.models[model.key] = model
+        self._routed[model.key] = next(self._routings)
 
     def retire(self, key: str) -> None:
         """Route no new request to `key` ("name/version"); those in flight finish."""
@@ -215,7 +221,10 @@ class ServingCore:
                 budget_s, self._finish, pending, answer
             )
         if self._cache is not None and cacheable(job) and job.model in self.models:
-            cached = self._cache.start(pending, self.models[job.model])  # all hits: answered
+            model = self.models[job.model]
+            cached = self._cache.start(
+                pending, model, self._routed[job.model]
+            )  # all hits: answered
             if not pending.done:
                 pending.cached = cached
         else:

@@ -7,7 +7,8 @@ costs a hash and a dict lookup, not a Ray call, a decode and an engine pass.
 
 - **Key**: SHA-256 (the fastest 128-bit-safe stdlib hash on CPUs with SHA extensions) of
   what decides the image's answer: the model version ("name/version", never the default
-  alias, so a new version never answers with an old one's results), the protocol, what was
+  alias, so a new version never answers with an old one's results) and the number of the
+  routing that serves it (a version unloaded and loaded again starts afresh), the protocol, what was
   asked (v1: top_k where labels were asked, the embedding; OIP: each output's kind and k),
   then the image's bytes. 16 bytes of it.
 - **Value**: the image's fragment of its answer (messages.Fragment), from which
@@ -83,18 +84,19 @@ class ResultCache:
             self.evictions += 1
 
 
-def asked(job: Job) -> bytes:
-    """What, beside an image's bytes, decides its fragment."""
+def asked(job: Job, routing: int = 0) -> bytes:
+    """What, beside an image's bytes, decides its fragment (`routing`: the number of the
+    routing of the job's model version in the core)."""
     if job.protocol == "oip":
         outputs = ",".join(f"{output.kind}:{output.k}" for output in job.oip_outputs)
     else:
         outputs = f"labels:{job.top_k if job.labels else 0},embedding:{int(job.embedding)}"
-    return f"{job.model}\0{job.protocol}\0{outputs}\0".encode()
+    return f"{job.model}#{routing}\0{job.protocol}\0{outputs}\0".encode()
 
 
-def image_keys(job: Job) -> list[bytes]:
+def image_keys(job: Job, routing: int = 0) -> list[bytes]:
     """Each image's key: the hash of what was asked, then of its bytes."""
-    base = hashlib.sha256(asked(job))
+    base = hashlib.sha256(asked(job, routing))
     keys = []
     for image in job.images:
         h = base.copy()
@@ -178,12 +180,13 @@ class CachedRequests:
         self._evictions_taken = self.cache.evictions
         return counts, evictions
 
-    def start(self, pending: Any, served: Served) -> _Request:
+    def start(self, pending: Any, served: Served, routing: int) -> _Request:
         """Answer `pending.job` from the cache and the flights where it can, send the rest
         (its first lookup counts in `counts`). Answers at once if nothing is left to wait
         for."""
         job = pending.job
-        request = _Request(pending, job, served, image_keys(job), [None] * job.count, job.count)
+        keys = image_keys(job, routing)
+        request = _Request(pending, job, served, keys, [None] * job.count, job.count)
         hits, shared, sent = self._resolve(request, range(job.count))
         counts = self.counts
         counts["hit"] += hits

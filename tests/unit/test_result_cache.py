@@ -117,6 +117,7 @@ def test_the_key_holds_the_model_version_and_what_was_asked(photos) -> None:
     base = Job(id="x", images=(image, photos["coffee"], image), model="m/2", top_k=3)
     (key, other, same) = image_keys(base)
     assert key == same != other and len(key) == 16
+    assert image_keys(base, routing=1)[0] != key  # the version routed again: afresh
     oip_job = Job(
         id="x", images=(image,), model="m/2", protocol="oip",
         oip_outputs=(OipOutput("labels", "labels", 3),),
@@ -194,6 +195,19 @@ async def test_oip_answers_from_the_cache_are_the_stages_bytes(cached, uncached,
     failed = await _submit(core, _oip(core, cat, b"junk"))
     assert failed.code == INVALID_ARGUMENT and failed.message.startswith("image 1: ")
     assert stages.calls == [[2], [1], [1]]
+
+
+async def test_a_version_routed_again_starts_afresh(cached, photos) -> None:
+    core, stages = cached
+    job = _v1(core, photos["chelsea"])
+    for _ in range(2):
+        assert (await _submit(core, job)).code == 0
+    assert stages.calls == [[1]]
+    served = core.models[job.model]
+    core.retire(job.model)  # unloaded; loaded again (its files may have changed meanwhile)
+    core.add(served)
+    assert (await _submit(core, job)).code == 0
+    assert stages.calls == [[1], [1]]
 
 
 # -- in flight ---------------------------------------------------------------------------------
