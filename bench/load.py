@@ -14,7 +14,9 @@ connection keeps M requests in flight. Open loop (--rate IMG/S): requests arrive
 Poisson process at that total image rate, split evenly over the connections; latency is
 still measured from the write, and `send_lag_ms` says how far writes fell behind schedule.
 Requests carry K JPEG photos (seven scikit-image photos at quality 90, cycled, or
---photos DIR) and ask for --outputs (labels, embedding, or both; an image answered OK without
+--photos DIR; with --repeat-fraction F each image is, with probability F, one of a fixed set
+of those photos, else a photo made unique, so a server's result cache sees repeats at that
+rate) and ask for --outputs (labels, embedding, or both; an image answered OK without
 an output it asked for counts as an error, `outputs_missing`). --processes P runs the
 connections from P processes (one Python process sends at most ~15-20k img/s) and merges
 their results.
@@ -38,8 +40,10 @@ import io
 import json
 import multiprocessing
 import random
+import struct
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -77,6 +81,10 @@ class LoadSpec:
     seed: int = 0
     outputs: str = "labels"  # comma-separated: labels, embedding (ClassifyRequest.outputs)
     pixels: int = 0  # > 0: send `pixels` (zeros, images x 3 x P x P float32), no photos
+    # None: the photos cycled (every request repeats them). A fraction: each image is, with
+    # this probability, one of a fixed set (a variant of each photo, the same in every
+    # connection and run), else a photo made unique (`unique_variant`): cache hit rates.
+    repeat_fraction: float | None = None
 
     def wanted(self) -> tuple[bool, bool]:
         """(labels, embedding) each request asks for."""
@@ -90,6 +98,8 @@ class LoadSpec:
         kind = "unary" if self.unary else "stream"
         loop = f"open loop {self.rate:g} img/s" if self.rate else f"{self.in_flight} in flight"
         asked = "" if self.outputs == "labels" else f", outputs {self.outputs}"
+        if self.repeat_fraction is not None:
+            asked += f", {self.repeat_fraction:g} repeated"
         return f"{self.connections} conn x {loop}, {self.images} img/request, {kind}{asked}"
 
 
@@ -112,6 +122,24 @@ def folder_photos(folder: Path) -> list[bytes]:
     if not paths:
         raise SystemExit(f"no images under {folder}")
     return [p.read_bytes() for p in paths]
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def unique_variant(photo: bytes, tag: bytes) -> list[bytes]:
+    """`photo` with `tag` where decoders skip it (as pieces to join): a JPEG gets a comment
+    segment after its start-of-image marker, so it still ends with its end-of-image marker
+    (which nvJPEG wants) and decodes to the same pixels; other formats get it appended."""
+    if photo[:2] == b"\xff\xd8":
+        return [b"\xff\xd8\xff\xfe", struct.pack(">H", len(tag) + 2), tag, memoryview(photo)[2:]]
+    return [photo, tag]
 
 
 class _Requests:
@@ -141,13 +169,45 @@ class _Requests:
         self._prefix, self._n, self._k = f"c{connection}-", n, k
         self._start = connection * k  # connections start at different photos
         self._seq = 0
+        self._fraction = spec.repeat_fraction
+        if self._fraction is not None:
+            self._photos = photos
+            self._rng = random.Random(spec.seed * 100_003 + connection)
+            self._repeats = [
+                self._entry(unique_variant(photo, f"raystream-bench repeat {i}".encode()))
+                for i, photo in enumerate(photos)
+            ]
+            self._tail = pb.ClassifyRequest(
+                top_k=spec.top_k, timeout_ms=spec.timeout_ms, outputs=outputs
+            ).SerializeToString()
+            self._nonce = f"raystream-bench {uuid.uuid4().hex} {connection} ".encode()
+
+    @staticmethod
+    def _entry(pieces: list[bytes]) -> bytes:
+        """A ClassifyRequest `images` entry (field 2) of the joined pieces."""
+        size = sum(len(piece) for piece in pieces)
+        return b"".join([b"\x12", _varint(size), *pieces])
 
     def next(self) -> tuple[str, bytes]:
         seq = self._seq
         self._seq += 1
         rid = f"{self._prefix}{seq}"
-        tail = self._tails[(self._start + seq * self._k) % self._n]
-        return rid, b"\n" + bytes((len(rid),)) + rid.encode() + tail
+        first = self._start + seq * self._k
+        if self._fraction is None:
+            tail = self._tails[first % self._n]
+            return rid, b"\n" + bytes((len(rid),)) + rid.encode() + tail
+        pieces = [b"\n" + bytes((len(rid),)) + rid.encode()]
+        rng = self._rng
+        for j in range(self._k):
+            if rng.random() < self._fraction:
+                pieces.append(rng.choice(self._repeats))
+            else:
+                photo = self._photos[(first + j) % self._n]
+                variant = unique_variant(photo, self._nonce + b"%d %d" % (seq, j))
+                size = sum(len(piece) for piece in variant)
+                pieces += [b"\x12", _varint(size), *variant]
+        pieces.append(self._tail)
+        return rid, b"".join(pieces)
 
 
 class _Stats:
@@ -376,6 +436,8 @@ def model_info(target: str) -> dict:
 def run(spec: LoadSpec, photos: list[bytes], on_window=None) -> dict:
     """Runs `spec` from spec.processes processes; returns the merged report."""
     spec.wanted()  # a bad `outputs` fails here, before any process starts
+    if spec.repeat_fraction is not None and not 0.0 <= spec.repeat_fraction <= 1.0:
+        raise ValueError(f"repeat_fraction must be in 0..1, got {spec.repeat_fraction}")
     info = model_info(spec.target)
     processes = max(1, min(spec.processes, spec.connections))
     context = multiprocessing.get_context("spawn")
@@ -522,6 +584,11 @@ def main() -> None:
     parser.add_argument(
         "--pixels", type=int, default=0, help="send P x P model input (zeros), not photos"
     )
+    parser.add_argument(
+        "--repeat-fraction",
+        type=float,
+        help="each image repeats one of a fixed set with this probability, else is unique",
+    )
     parser.add_argument("--json", type=Path, help="write the report here, not to stdout")
     parser.add_argument("--announce-window", action="store_true", help="print `window S E`")
     args = parser.parse_args()
@@ -541,6 +608,7 @@ def main() -> None:
         seed=args.seed,
         outputs=args.outputs,
         pixels=args.pixels,
+        repeat_fraction=args.repeat_fraction,
     )
     photos = folder_photos(args.photos) if args.photos else builtin_photos()
 

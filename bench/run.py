@@ -60,6 +60,7 @@ LOAD_FIELDS = {
     "drain",
     "outputs",
     "pixels",
+    "repeat_fraction",
 }
 EXTRA_FIELDS = {"name", "kind", "compare", "photos", "decode_threads", "decode_size"}
 KINDS = {"grpc", "baseline", "plain_server"}

@@ -5,12 +5,18 @@ failures of a whole call).
 
 The ingress adds the end-to-end time by appending a serialized `ClassifyResponse` holding only
 `timing.total_ms`: protobuf merges concatenated messages field by field (`with_total_ms`).
+
+An answer is built from its images' fragments (messages.Fragment), so the ingress' result
+cache (serve_app/result_cache.py) builds an answer from fragments it kept with the same
+functions (`v1_answer`, `oip_answer`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from collections import Counter
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -18,7 +24,7 @@ from engines.repository import ModelSpec
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.v1 import classifier_pb2 as pb
 from serve_app.errors import Code
-from serve_app.messages import Answer, Batch, Failure, Job, StageTiming
+from serve_app.messages import Answer, Batch, Failure, Fragment, Job, OipOutput, StageTiming
 
 # OIP tensor names (serve_app/oip.py documents the model interface)
 OIP_IMAGES, OIP_PIXELS, OIP_SCORES, OIP_LABELS = "images", "pixels", "probabilities", "labels"
@@ -41,7 +47,8 @@ def with_total_ms(payload: bytes, total_ms: float) -> bytes:
 
 def answer_all(batch: Batch, spec: ModelSpec) -> list[Answer]:
     """Every job of a batch that went through inference, answered in its protocol (`spec`:
-    the labels, and what OIP answers name)."""
+    the labels, and what OIP answers name). Each answer is built from its images' fragments
+    (`v1_answer`, `oip_answer`), which it carries too where its job asks (`Job.fragments`)."""
     rows_of: dict[int, list[int]] = {}
     for row, job_index in enumerate(batch.owners[:, 0].tolist()):
         rows_of.setdefault(job_index, []).append(row)
@@ -53,8 +60,23 @@ def answer_all(batch: Batch, spec: ModelSpec) -> list[Answer]:
             answers.append(failed(job, failure, batch.timing))
             continue
         rows = {image_of[row]: row for row in rows_of.get(index, ())}
-        build = _oip if job.protocol == "oip" else _v1
-        answers.append(build(batch, index, job, rows, spec))
+        fragments: list[Fragment | Failure] = []
+        for image in range(job.count):
+            row = rows.get(image)
+            if row is None:
+                fragments.append(batch.image_failures[index, image])
+            elif job.protocol == "oip":
+                fragments.append(_oip_rows(batch, row, job, spec))
+            else:
+                fragments.append(_v1_result(batch, row, job, spec))
+        if job.protocol == "oip":
+            widths = oip_widths(job.oip_outputs, spec.num_classes, spec.embedding_dim)
+            answer = oip_answer(job, spec.name, spec.version, widths, fragments, batch.timing)
+        else:
+            answer = v1_answer(job, fragments, batch.timing)
+        if job.fragments:
+            answer = dataclasses.replace(answer, fragments=tuple(fragments))
+        answers.append(answer)
     return answers
 
 
@@ -74,71 +96,111 @@ def embedding_bytes(vector: np.ndarray) -> bytes:
     return b"\x0a" + _varint(4 * len(vector)) + vector.astype("<f4", copy=False).tobytes()
 
 
-def _v1(batch: Batch, index: int, job: Job, rows: dict[int, int], spec: ModelSpec) -> Answer:
-    response = pb.ClassifyResponse(request_id=job.id)
+# -- raystream.v1: a ClassifyResponse is its request_id, its results (field 2, each one
+# length-delimited entry, in image order) and its timing: the bytes SerializeToString writes.
+
+
+def _v1_result(batch: Batch, row: int, job: Job, spec: ModelSpec) -> bytes:
+    """One image's `ImageResult` as a field-2 entry of a ClassifyResponse."""
+    result = pb.ImageResult()
+    if job.labels:
+        for class_id, score in zip(
+            batch.top_ids[row, : job.top_k].tolist(),
+            batch.top_scores[row, : job.top_k].tolist(),
+            strict=True,
+        ):
+            result.labels.add(class_id=class_id, name=spec.labels[class_id], score=score)
+    data = result.SerializeToString()
+    if job.embedding:  # field 3, after the labels (field 1): as SerializeToString orders them
+        vector = embedding_bytes(batch.embeddings[row])
+        data += b"\x1a" + _varint(len(vector)) + vector
+    return b"\x12" + _varint(len(data)) + data
+
+
+def _v1_error(failure: Failure) -> bytes:
+    data = pb.ImageResult(error=pb.Error(code=failure.code, message=failure.message))
+    data = data.SerializeToString()
+    return b"\x12" + _varint(len(data)) + data
+
+
+def v1_answer(job: Job, fragments: Sequence[Fragment | Failure], timing: StageTiming) -> Answer:
+    """A v1 request's answer from its images' fragments (or failures), in image order."""
     codes: Counter[int] = Counter()
-    ids, scores = batch.top_ids, batch.top_scores
-    embeddings = batch.embeddings if job.embedding else None
-    for image in range(job.count):
-        result = response.results.add()
-        row = rows.get(image)
-        if row is None:
-            failure = batch.image_failures[index, image]
-            result.error.code, result.error.message = failure.code, failure.message
-            codes[failure.code] += 1
-            continue
-        codes[0] += 1
-        if job.labels:
-            for class_id, score in zip(
-                ids[row, : job.top_k].tolist(), scores[row, : job.top_k].tolist(), strict=True
-            ):
-                result.labels.add(class_id=class_id, name=spec.labels[class_id], score=score)
-        if embeddings is not None:
-            result.embedding.MergeFromString(embedding_bytes(embeddings[row]))
-    t = batch.timing
-    timing = response.timing
-    timing.preprocess_ms, timing.queue_ms = t.preprocess_ms, t.queue_ms
-    timing.inference_ms, timing.postprocess_ms = t.inference_ms, t.postprocess_ms
-    timing.batch_size = t.batch_size
-    return Answer(response.SerializeToString(), 0, image_codes=tuple(codes.items()), timing=t)
+    entries = []
+    for fragment in fragments:
+        if isinstance(fragment, Failure):
+            codes[fragment.code] += 1
+            entries.append(_v1_error(fragment))
+        else:
+            codes[0] += 1
+            entries.append(fragment)
+    t = timing
+    tail = pb.ClassifyResponse(
+        timing=pb.Timing(
+            preprocess_ms=t.preprocess_ms,
+            queue_ms=t.queue_ms,
+            inference_ms=t.inference_ms,
+            postprocess_ms=t.postprocess_ms,
+            batch_size=t.batch_size,
+        )
+    ).SerializeToString()
+    head = pb.ClassifyResponse(request_id=job.id).SerializeToString()
+    payload = head + b"".join(entries) + tail
+    return Answer(payload, 0, image_codes=tuple(codes.items()), timing=t)
 
 
-def _oip(batch: Batch, index: int, job: Job, rows: dict[int, int], spec: ModelSpec) -> Answer:
-    """OIP has no per-image errors: a bad image fails the request, naming the image."""
-    for image in range(job.count):
-        if image not in rows:
-            failure = batch.image_failures[index, image]
-            message = f"image {image}: {failure.message}"
-            return Answer(b"", int(Code.INVALID_ARGUMENT), message=message, timing=batch.timing)
-    order = [rows[image] for image in range(job.count)]
-    response = oip.ModelInferResponse(model_name=spec.name, model_version=spec.version, id=job.id)
+# -- Open Inference Protocol: each output is an [N, width] tensor whose raw contents are its
+# images' rows, concatenated in image order.
+
+
+def oip_widths(
+    outputs: Sequence[OipOutput], num_classes: int, embedding_dim: int
+) -> tuple[int, ...]:
+    """Each output's elements per image."""
+    width = {"probabilities": num_classes, "embedding": embedding_dim}
+    return tuple(width.get(output.kind, output.k) for output in outputs)
+
+
+def _oip_rows(batch: Batch, row: int, job: Job, spec: ModelSpec) -> tuple[bytes, ...]:
+    """One image's row of each output the job asked for."""
+    out = []
     for output in job.oip_outputs:
         if output.kind == "probabilities":
-            probabilities = (
-                batch.probabilities[order] if order else np.zeros((0, spec.num_classes), np.float32)
-            )
-            response.outputs.add(name=output.name, datatype="FP32", shape=list(probabilities.shape))
-            response.raw_output_contents.append(probabilities.astype("<f4").tobytes())
+            out.append(batch.probabilities[row].astype("<f4", copy=False).tobytes())
         elif output.kind == "embedding":
-            vectors = (
-                batch.embeddings[order] if order else np.zeros((0, spec.embedding_dim), np.float32)
-            )
-            response.outputs.add(name=output.name, datatype="FP32", shape=list(vectors.shape))
-            response.raw_output_contents.append(vectors.astype("<f4").tobytes())
+            out.append(batch.embeddings[row].astype("<f4", copy=False).tobytes())
         else:
             elements = [
                 f"{score:f}:{class_id}:{spec.labels[class_id]}".encode()
-                for row in order
                 for class_id, score in zip(
                     batch.top_ids[row, : output.k].tolist(),
                     batch.top_scores[row, : output.k].tolist(),
                     strict=True,
                 )
             ]
-            response.outputs.add(name=output.name, datatype="BYTES", shape=[job.count, output.k])
-            response.raw_output_contents.append(
-                b"".join(struct.pack("<I", len(e)) + e for e in elements)
-            )
+            out.append(b"".join(struct.pack("<I", len(e)) + e for e in elements))
+    return tuple(out)
+
+
+def oip_answer(
+    job: Job,
+    name: str,
+    version: str,
+    widths: Sequence[int],
+    fragments: Sequence[Fragment | Failure],
+    timing: StageTiming,
+) -> Answer:
+    """An OIP request's answer from its images' rows (or failures), in image order. OIP has
+    no per-image errors: a bad image fails the request, naming the image."""
+    for image, fragment in enumerate(fragments):
+        if isinstance(fragment, Failure):
+            message = f"image {image}: {fragment.message}"
+            return Answer(b"", int(Code.INVALID_ARGUMENT), message=message, timing=timing)
+    response = oip.ModelInferResponse(model_name=name, model_version=version, id=job.id)
+    for index, (output, width) in enumerate(zip(job.oip_outputs, widths, strict=True)):
+        datatype = "BYTES" if output.kind == "labels" else "FP32"
+        response.outputs.add(name=output.name, datatype=datatype, shape=[len(fragments), width])
+        response.raw_output_contents.append(b"".join(rows[index] for rows in fragments))
     return Answer(
-        response.SerializeToString(), 0, image_codes=((0, job.count),), timing=batch.timing
+        response.SerializeToString(), 0, image_codes=((0, len(fragments)),), timing=timing
     )

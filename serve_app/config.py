@@ -80,6 +80,18 @@ class SecurityConfig(_Strict):
         return self
 
 
+class CacheConfig(_Strict):
+    """The ingress' result cache (serve_app/result_cache.py): answers of images already seen,
+    per ingress replica, and one engine pass for identical images in flight at once."""
+
+    # Off by default: with few repeated images it costs a hash per image for nothing, and
+    # memory on every ingress replica is the operator's to give.
+    enabled: bool = False
+    # The cache's bound: its keys and answers' bytes (with a per-entry overhead) past this
+    # evict the least recently used.
+    max_bytes: int = Field(256 * 1024 * 1024, ge=0)
+
+
 class ModelEntry(_Strict):
     """A model the application serves, and which of its versions (its version policy):
     the `latest` N versions in the repository (default 1), or the `versions` listed."""
@@ -113,6 +125,7 @@ class AppConfig(_Strict):
     engine: EngineConfig = EngineConfig()
     limits: LimitsConfig = LimitsConfig()
     security: SecurityConfig = SecurityConfig()
+    cache: CacheConfig = CacheConfig()
     preprocess_threads: int = Field(2, ge=1, le=64)  # PIL releases the GIL while decoding
     # Which deployments run the stages (serve_app/topology.py): chained (Preprocess,
     # Inference, Postprocess: three deployments), fused (one deployment runs all three),

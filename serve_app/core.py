@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ from serve_app.errors import (
 )
 from serve_app.messages import Answer, Batch, Failure, Job, Served
 from serve_app.metrics import IngressMetrics
+from serve_app.result_cache import CachedRequests, Part, cacheable
 
 logger = logging.getLogger(__name__)
 # Calls sent again after losing a stage replica (_call): once covers a replica or node lost
@@ -59,6 +61,7 @@ class _Pending:
     started: float
     done: bool = False
     timer: asyncio.TimerHandle | None = None
+    cached: object = None  # under the result cache: its state there, until answered
 
 
 class ServingCore:
@@ -74,6 +77,10 @@ class ServingCore:
         self._limits = config.limits
         self.default = config.model  # the model of requests that name none
         self.models: dict[str, Served] = {}  # "name/version" -> what answers it
+        # Each time a version is routed it gets a new number, part of the result cache's
+        # keys: a version unloaded and loaded again (perhaps exported again) starts afresh.
+        self._routings = itertools.count()
+        self._routed: dict[str, int] = {}
         for model in [models] if isinstance(models, Served) else models:
             self.add(model)
         self._run = run
@@ -82,6 +89,11 @@ class ServingCore:
         self.requests_started = 0
         self.requests_in_flight = 0
         self._metrics = IngressMetrics()
+        self._cache = (
+            CachedRequests(config.cache.max_bytes, self._send_part, self._finish)
+            if config.cache.enabled
+            else None
+        )
         self._metrics_export: asyncio.Task | None = None
         # Which ingress replica answered: several share one port (SO_REUSEPORT) and the
         # kernel hashes each connection to one of them; GetModelInfo's trailing metadata
@@ -93,6 +105,7 @@ class ServingCore:
     def add(self, model: Served) -> None:
         """Route requests to `model` from now on."""
         self.models[model.key] = model
+        self._routed[model.key] = next(self._routings)
 
     def retire(self, key: str) -> None:
         """Route no new request to `key` ("name/version"); those in flight finish."""
@@ -207,8 +220,20 @@ class ServingCore:
             pending.timer = asyncio.get_running_loop().call_later(
                 budget_s, self._finish, pending, answer
             )
-        self._dispatcher(job.model).submit(pending)
+        if self._cache is not None and cacheable(job) and job.model in self.models:
+            model = self.models[job.model]
+            cached = self._cache.start(
+                pending, model, self._routed[job.model]
+            )  # all hits: answered
+            if not pending.done:
+                pending.cached = cached
+        else:
+            self._dispatcher(job.model).submit(pending)
         return pending
+
+    def _send_part(self, part: Part) -> None:
+        """The images of a request under the cache that it computes itself."""
+        self._dispatcher(part.job.model).submit(part)
 
     def abandon(self, pending: _Pending) -> None:
         """Nobody waits for this answer any more (its stream ended): if it is still queued
@@ -218,6 +243,14 @@ class ServingCore:
             if pending.timer is not None:
                 pending.timer.cancel()
             self._done(pending.job)
+            self._release(pending)
+
+    def _release(self, pending: _Pending) -> None:
+        """Under the result cache: what `pending` computed for other requests goes back to
+        them (serve_app/result_cache.py)."""
+        if pending.cached is not None:
+            cached, pending.cached = pending.cached, None
+            self._cache.release(cached)
 
     def _done(self, job: Job) -> None:
         self.requests_in_flight -= 1
@@ -225,7 +258,7 @@ class ServingCore:
         if not self.in_flight_by_model[job.model]:
             del self.in_flight_by_model[job.model]
 
-    async def _call(self, model: str, items: list[_Pending]) -> None:
+    async def _call(self, model: str, items: list[_Pending | Part]) -> None:
         """One call through the stages for `items` (all for `model`), answering each. A call
         that loses a stage replica (its process or node gone) is sent once more, with the
         requests that are still waiting: Serve routes it to another replica, or holds it
@@ -253,7 +286,10 @@ class ServingCore:
                 answers = [failed(item.job, failure) for item in items]
                 break
         for item, answer in zip(items, answers, strict=True):
-            self._finish(item, answer)
+            if isinstance(item, Part):
+                self._cache.answered(item, answer)
+            else:
+                self._finish(item, answer)
 
     @staticmethod
     def _failure(exc: Exception, requests: int, retries: int) -> Failure:
@@ -285,6 +321,7 @@ class ServingCore:
         # Streams keep their pending handles until they end (to abandon what is left): a
         # finished one must not keep its request's images alive.
         pending.job, pending.reply = None, None
+        self._release(pending)
 
     # -- metrics and logs -----------------------------------------------------------------------
 
@@ -342,10 +379,13 @@ class ServingCore:
                 if self.requests_in_flight != exported:
                     exported = self.requests_in_flight
                     self._metrics.in_flight.set(exported)
-                self._metrics.flush()
+                self.flush_metrics()
             except Exception:  # a bug here must not stop the export for good
                 logger.exception("exporting metrics failed")
             await asyncio.sleep(1.0)
 
     def flush_metrics(self) -> None:
+        if self._cache is not None:
+            cache = self._cache
+            self._metrics.record_cache(*cache.take_counts(), cache.cache.bytes, len(cache.cache))
         self._metrics.flush()

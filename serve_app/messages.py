@@ -63,6 +63,7 @@ class Job:
     oip_outputs: tuple[OipOutput, ...] = ()
     model: str = ""  # the model version that answers: "name/version" (empty: the default)
     count: int = -1  # images in the request; kept when a stage drops the inputs it used
+    fragments: bool = False  # answer with each image's fragment too (the result cache's)
 
     def __post_init__(self) -> None:
         if self.count < 0:
@@ -88,6 +89,12 @@ class StageTiming:
 class Failure:
     code: int  # google.rpc.Code
     message: str
+
+
+# One image's part of its answer (serve_app/answers.py), what the ingress' result cache keeps:
+# raystream.v1: its ImageResult as a ClassifyResponse field-2 entry; OIP: its row of each
+# output the request asked for.
+Fragment = bytes | tuple[bytes, ...]
 
 
 @dataclass(frozen=True)
@@ -128,3 +135,6 @@ class Answer:
     message: str = ""  # why it failed
     image_codes: tuple[tuple[int, int], ...] = ()  # (code, images) of its images
     timing: StageTiming = field(default_factory=StageTiming)
+    # Where the job asked (Job.fragments): each image's Fragment, or its Failure, in order;
+    # empty when the request failed as a whole.
+    fragments: tuple[Fragment | Failure, ...] = ()

@@ -10,6 +10,11 @@ Ray prefixes every name with `ray_`). Named and labelled after Triton's `nv_infe
     raystream_batch_size                       images per engine batch (histogram)
     raystream_requests_in_flight               requests being answered (gauge)
     raystream_rejected_request_total{code}     requests refused: overload, duplicate id, limits
+    raystream_cache_image_total{result}        images looked up in the result cache (cache.enabled):
+                                               hit, miss (sent to the stages), shared (waited
+                                               for an identical image in flight)
+    raystream_cache_eviction_total             entries the result cache dropped for room
+    raystream_cache_bytes, raystream_cache_entries   its size now (gauges)
 
 Serve adds the deployment, replica and application tags. A stage's mean time per request:
     rate(raystream_stage_duration_ms_total{stage="queue"}[1m])
@@ -71,6 +76,20 @@ class IngressMetrics:
             tag_keys=("stage",),
             description="Milliseconds per stage, summed over requests answered OK.",
         )
+        self.cache_images = Counter(
+            "raystream_cache_image_total",
+            tag_keys=("result",),
+            description="Images looked up in the result cache: hit, miss, shared (in flight).",
+        )
+        self.cache_evictions = Counter(
+            "raystream_cache_eviction_total", description="Result cache entries evicted."
+        )
+        self.cache_bytes = Gauge(
+            "raystream_cache_bytes", description="Bytes held by the result cache."
+        )
+        self.cache_entries = Gauge(
+            "raystream_cache_entries", description="Images held by the result cache."
+        )
         # What flush() hands to Ray: (counter, tag key, tag value) -> amount since the last
         self._pending: collections.Counter[tuple[Counter, str, str]] = collections.Counter()
 
@@ -93,11 +112,24 @@ class IngressMetrics:
                 pending[self.stages, "stage", stage] += ms
         self.total.observe(total_ms)
 
+    def record_cache(
+        self, counts: Mapping[str, int], evictions: int, size: int, entries: int
+    ) -> None:
+        """The result cache since the last call: images by outcome, evictions; its size."""
+        pending = self._pending
+        for result, count in counts.items():
+            if count:
+                pending[self.cache_images, "result", result] += count
+        if evictions:
+            pending[self.cache_evictions, "", ""] += evictions
+        self.cache_bytes.set(size)
+        self.cache_entries.set(entries)
+
     def flush(self) -> None:
         """Hand the counts gathered since the last flush to Ray: one call per counter and tag."""
         pending, self._pending = self._pending, collections.Counter()
         for (counter, key, value), amount in pending.items():
-            counter.inc(amount, tags={key: value})
+            counter.inc(amount, tags={key: value} if key else None)
 
 
 class InferenceMetrics:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 import time
 
@@ -80,3 +81,42 @@ def test_the_benchmark_loader_asks_for_its_outputs_and_counts_missing_ones() -> 
     response.results.add().error.code = 3  # failed: nothing is missing
     stats.answer(response, 1.0, {"r": 0.5})
     assert stats.outputs_missing == 1 and stats.image_codes == {0: 2, 3: 1}
+
+
+def test_the_benchmark_loader_repeats_images_at_its_fraction(photos, model) -> None:
+    """bench/load.py --repeat-fraction: repeated images are the same bytes every time, the
+    others never repeat, and every variant decodes as its photo does, on the CPU and on the
+    GPU path (which takes only JPEGs that end with their end-of-image marker)."""
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import load
+
+    from engines.images import decode
+    from engines.jpeg import gpu_size
+
+    originals = [photos["chelsea"], photos["coffee"]]
+    requests = load._Requests(
+        load.LoadSpec(target="x", images=8, repeat_fraction=0.5), originals, 0
+    )
+    images = []
+    for _ in range(50):
+        request_id, data = requests.next()
+        request = pb.ClassifyRequest.FromString(data)
+        assert request.request_id == request_id and request.top_k == 5
+        images += request.images
+    counts = collections.Counter(images)
+    repeats = [n for n in counts.values() if n > 1]
+    assert len(repeats) == len(originals) and 0.4 < sum(repeats) / len(images) < 0.6
+    spec = model.spec.preprocess
+    for image in images[:4]:
+        original = next(o for o in originals if o[-1000:] == image[-1000:])
+        assert image != original and gpu_size(image) == gpu_size(original) is not None
+        np.testing.assert_array_equal(decode(image, spec), decode(original, spec))
+    unique = load.LoadSpec(target="x", images=3, repeat_fraction=0.0)
+    sent = [load._Requests(unique, originals, c).next()[1] for c in (0, 1)]
+    assert (
+        len({image for data in sent for image in pb.ClassifyRequest.FromString(data).images}) == 6
+    )

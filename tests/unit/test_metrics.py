@@ -41,3 +41,28 @@ def test_flush_hands_ray_only_positive_increments(monkeypatch) -> None:
     handed.clear()
     metrics.flush()
     assert handed == []  # nothing gathered: nothing to hand over
+
+
+def test_the_result_cache_counts_reach_ray_at_a_flush(monkeypatch) -> None:
+    metrics = IngressMetrics()
+    handed: list[tuple[str, float, dict[str, str] | None]] = []
+    for name in ("cache_images", "cache_evictions"):
+        counter = getattr(metrics, name)
+
+        def inc(value, tags=None, _name=name, _real=counter.inc) -> None:
+            handed.append((_name, value, tags))
+            _real(value, tags=tags)
+
+        monkeypatch.setattr(counter, "inc", inc)
+    metrics.record_cache({"hit": 5, "miss": 3, "shared": 0}, 2, size=4096, entries=3)
+    metrics.record_cache({"hit": 1}, 0, size=4096, entries=3)
+    assert handed == []
+    metrics.flush()
+    assert sorted(handed, key=repr) == sorted(
+        [
+            ("cache_images", 6, {"result": "hit"}),
+            ("cache_images", 3, {"result": "miss"}),
+            ("cache_evictions", 2, None),
+        ],
+        key=repr,
+    )
