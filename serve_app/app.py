@@ -12,6 +12,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig, BatchingConfig, Group, deployment_name, groups
 from serve_app.ingress import Ingress
@@ -42,10 +43,10 @@ DEFAULTS = {
 @serve.deployment
 class Stages:
     """A group of stages as a Serve deployment: a thin shell over StageGroup. The ingress
-    chains the groups' calls (serve_app/topology.py, StageChain): each gets the previous
-    group's result straight from the replica that made it."""
+    chains the calls of the groups up to the one holding inference (serve_app/topology.py,
+    StageChain); that group passes its result on to the group after it (`next`) itself."""
 
-    async def __init__(self, config: dict, stages: Group) -> None:
+    async def __init__(self, config: dict, stages: Group, next: DeploymentHandle | None) -> None:
         config = AppConfig.model_validate(config)
         context = serve.get_replica_context()
         self._group = await StageGroup.create(
@@ -55,12 +56,14 @@ class Stages:
             deployment_name(stages),
             context.replica_id.unique_id,
         )
+        self._next = next
         self.batching = self._group.batching
         self.images_inferred = self._group.images_inferred
         self.memory_bytes = self._group.memory_bytes
 
     async def run(self, batch: Batch) -> Batch | list[Answer]:
-        return await self._group.run(batch)
+        batch = await self._group.run(batch)
+        return batch if self._next is None else await self._next.run.remote(batch)
 
     async def info(self, key: str = "") -> Served:
         """What is served: a model version ("name/version"; empty: the default model) and
@@ -94,9 +97,14 @@ def build_app(args: dict[str, Any]) -> Application:
         env_vars = {name: os.environ.get(name, value) for name, value in DIRECT_REPLICA_ENV.items()}
         options = {**Ingress.ray_actor_options, "runtime_env": {"env_vars": env_vars}}
         return Ingress.options(ray_actor_options=options).bind(shared)
-    stages = [
-        Stages.options(name=name, **DEFAULTS[name]).bind(shared, group)
-        for group in stage_groups
-        for name in [deployment_name(group)]
-    ]
-    return Ingress.bind(shared, *stages)
+    # Bound last to first: the groups after the one holding inference are called by the group
+    # before them; the ingress chains the others (serve_app/topology.py, StageChain).
+    chained, next = [], None
+    for group in reversed(stage_groups):
+        name = deployment_name(group)
+        stages = Stages.options(name=name, **DEFAULTS[name])
+        if chained or "inference" in group:
+            chained.insert(0, stages.bind(shared, group, None if chained else next))
+        else:
+            next = stages.bind(shared, group, next)
+    return Ingress.bind(shared, *chained)

@@ -23,7 +23,7 @@ from ray.serve.handle import DeploymentHandle
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from serve_app import v1
-from serve_app.config import STAGES, AppConfig, deployment_names, groups
+from serve_app.config import STAGES, AppConfig, deployment_names
 from serve_app.core import ServingCore
 from serve_app.lifecycle import ModelLifecycle
 from serve_app.messages import Served
@@ -47,7 +47,8 @@ SERVICE_NAMES = (
 class Ingress:
     """Starts the gRPC server in this replica; it serves until the replica stops.
 
-    `stages`: the handles of the stage deployments, in order; none in topology `direct`,
+    `stages`: the handles of the stage deployments up to the one holding inference, in
+    order (serve_app/topology.py, StageChain); none in topology `direct`,
     where this replica runs the stages and takes the batching `user_config` that the
     Inference deployment takes otherwise."""
 
@@ -58,7 +59,7 @@ class Ingress:
         replica = serve.get_replica_context().replica_id.unique_id
         registry = ModelRegistry(RayStore(), self._config.instance)
         if stages:
-            chain = StageChain(list(stages), groups(self._config))
+            chain = StageChain(list(stages))
             info, run = chain.info, chain.run
             stage_deployments = deployment_names(self._config.topology)
         else:

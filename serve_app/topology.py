@@ -39,22 +39,22 @@ logger = logging.getLogger(__name__)
 
 
 class StageChain:
-    """The calls of one micro-batch through the stage deployments, made by the ingress: each
-    call takes the previous one's response as its argument, so Serve routes it once that
-    result is ready and the replica fetches it from the one that made it. Every result
-    crosses one hop, and the answers (with their embeddings) come back to the ingress
-    straight from the last group, not back up through each group before it.
+    """The calls of one micro-batch through the stage deployments. Up to the group holding
+    inference, the ingress makes them: each call takes the previous one's response as its
+    argument, so Serve routes it once that result is ready and the replica fetches it
+    straight from the one that made it (the images and crops, the large part, never pass
+    back through the ingress). The group holding inference calls the groups after it
+    itself and returns their answers: its results are small, and sent back to the ingress
+    between two calls they would cost the ingress, which one connection's requests all
+    pass through, about 30% more CPU an image (H200, docs/performance.md).
 
     Through Ray's object store. (Serve's gRPC transport, `_by_reference=False`, cost its
     caller a third of the CPU per call on a 2-core CPU machine, but answers past its 4 MiB
     message limit failed whole calls, and a soak grew the ingress by 100 MB: not used until
     both are solved.)"""
 
-    def __init__(self, handles: list[DeploymentHandle], groups: tuple[Group, ...]) -> None:
-        self._handles = handles
-        self._inference = next(
-            handle for handle, group in zip(handles, groups, strict=True) if "inference" in group
-        )
+    def __init__(self, handles: list[DeploymentHandle]) -> None:
+        self._handles = handles  # the last one holds inference
 
     async def run(self, batch: Batch) -> list[Answer]:
         response = batch
@@ -63,7 +63,7 @@ class StageChain:
         return await response
 
     async def info(self, key: str = "") -> Served:
-        return await self._inference.info.remote(key)
+        return await self._handles[-1].info.remote(key)
 
 
 @dataclass
