@@ -221,10 +221,8 @@ class ServingCore:
                 budget_s, self._finish, pending, answer
             )
         if self._cache is not None and cacheable(job) and job.model in self.models:
-            model = self.models[job.model]
-            cached = self._cache.start(
-                pending, model, self._routed[job.model]
-            )  # all hits: answered
+            model, routing = self.models[job.model], self._routed[job.model]
+            cached = self._cache.start(pending, model, routing)  # all hits: answered at once
             if not pending.done:
                 pending.cached = cached
         else:
