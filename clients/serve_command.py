@@ -179,8 +179,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         child.wait()
         return status
 
-    running = cluster = None
+    running = helper = None
     try:
+        # Asking Serve whether every replica runs needs a process that joins the cluster as a
+        # driver (several seconds on a cold host): started as soon as Ray runs, it waits
+        # alongside the replicas' start instead of after it.
+        cluster = _cluster_address(child.pid, alive, args.ready_timeout)
+        if cluster is not None:
+            helper = _running_helper(config["applications"][0]["name"], cluster, args.ready_timeout)
         if probe.reason is not None:
             print(
                 f"raystream starting with TLS on {address}; readiness over gRPC is not probed: "
@@ -189,18 +195,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             )
             answered = False
         else:
-            answered = asyncio.run(probe.wait_serving(address, args.ready_timeout, alive))
+            remaining = args.ready_timeout - (time.monotonic() - started)
+            answered = asyncio.run(probe.wait_serving(address, remaining, alive))
             if probe.reason is not None:  # TLS that the probe could not verify
                 print(f"raystream: readiness over gRPC is not probed: {probe.reason}", flush=True)
-        if alive() and (answered or probe.reason is not None):
+        if helper is not None and alive() and (answered or probe.reason is not None):
             # Health answers as soon as one replica listens; with several replicas (or
             # replicas compiling their engines) the rest may still be starting.
-            cluster = _cluster_address(child.pid, alive, args.ready_timeout)
-            running = _wait_running(
-                config["applications"][0]["name"],
-                cluster,
-                args.ready_timeout - (time.monotonic() - started),
-                alive,
+            running = _running_report(
+                helper, args.ready_timeout - (time.monotonic() - started), alive
             )
         if fatal.error is not None:
             print(f"raystream: cannot start: {fatal.error}", file=sys.stderr, flush=True)
@@ -255,6 +258,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise
     finally:
         os.unlink(f.name)
+        if helper is not None and helper.poll() is None:  # not ready, or stopped early
+            helper.kill()
         if metrics is not None:
             metrics.close()
 
@@ -434,24 +439,25 @@ def _driver_env(address: str | None) -> dict[str, str]:
     return env
 
 
-def _wait_running(
-    app_name: str, address: str | None, timeout: float, alive: Callable[[], bool]
-) -> dict | None:
-    """Once Serve reports `app_name` RUNNING: {"replicas": running per deployment,
-    "metrics_export_port": the metrics agent's port}, asked by a helper process that joins
-    the Ray cluster at `address` as a driver (no dashboard needed); None if there is no
-    address, Serve could not be asked, `alive()` turned false, or `timeout` passed first."""
-    if address is None:
-        return None
-    timeout = max(timeout, 1.0)
-    helper = subprocess.Popen(
+def _running_helper(app_name: str, address: str, timeout: float) -> subprocess.Popen:
+    """A helper process that joins the Ray cluster at `address` as a driver (no dashboard
+    needed) and, once Serve reports `app_name` RUNNING, prints {"replicas": running per
+    deployment, "metrics_export_port": the metrics agent's port} (`_running_report`)."""
+    return subprocess.Popen(
         [sys.executable, "-m", "clients.serve_command", app_name, address, str(timeout)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
         env=_driver_env(address),
     )
-    give_up = time.monotonic() + timeout + 30.0  # joining the cluster may itself hang
+
+
+def _running_report(
+    helper: subprocess.Popen, timeout: float, alive: Callable[[], bool]
+) -> dict | None:
+    """What the helper printed; None if Serve could not be asked, `alive()` turned false,
+    or `timeout` passed first."""
+    give_up = time.monotonic() + max(timeout, 1.0) + 30.0  # joining the cluster may hang
     try:
         while helper.poll() is None:
             if not alive() or time.monotonic() > give_up:
@@ -465,14 +471,18 @@ def _wait_running(
 
 
 def _report_when_running(app_name: str, address: str, timeout: float) -> int:
-    """The helper of `_wait_running`: prints its answer as JSON."""
+    """The helper of `_running_helper`: prints its answer as JSON. Started while Serve may
+    not run yet: asks again until it does."""
     import ray
     from ray import serve
 
     ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        status = serve.status().applications.get(app_name)
+        try:
+            status = serve.status().applications.get(app_name)
+        except Exception:  # Serve's controller not started yet
+            status = None
         if status is not None and status.status == "RUNNING":
             counts = {
                 name: deployment.replica_states.get("RUNNING", 0)
@@ -586,7 +596,7 @@ def cmd_reconfigure(args: argparse.Namespace) -> int:
     `raystream serve` started with the same config and flags, through Serve's deploy (each
     replica's `reconfigure`; no restart, since nothing else differs). A change the replicas
     would refuse is refused here, before anything reaches the cluster."""
-    # As _wait_running's helper (_driver_env): token auth, and a loopback address kept as it
+    # As _running_helper's process (_driver_env): token auth, and a loopback address kept as it
     # is; Ray reads both when first imported. Set first: _serve_config imports Ray for
     # topology direct.
     for name, value in _driver_env(args.address).items():
@@ -689,5 +699,5 @@ def _wait_applied(app_name: str, deployment: str, timeout: float) -> None:
             )
 
 
-if __name__ == "__main__":  # python -m clients.serve_command APP ADDRESS TIMEOUT: _wait_running
+if __name__ == "__main__":  # python -m clients.serve_command APP ADDRESS TIMEOUT: _running_helper
     sys.exit(_report_when_running(sys.argv[1], sys.argv[2], float(sys.argv[3])))
