@@ -220,3 +220,33 @@ def test_the_kuberay_service_turns_token_auth_on_and_keeps_ray_inside_the_cluste
     dashboard = [r for r in rules if any(p["port"] == 8265 for p in r.get("ports", []))]
     [operator] = dashboard[0]["from"]
     assert operator["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kuberay-operator"}
+
+
+def _calls(app) -> tuple[str, list]:
+    """A bound deployment's name and the deployments it calls (the handles it is given)."""
+    bound = app._bound_deployment
+    return bound.name, [_calls(a) for a in bound.init_args[1:] if hasattr(a, "_bound_deployment")]
+
+
+@pytest.mark.parametrize(
+    ("topology", "calls"),
+    [
+        (
+            "chained",
+            ("Ingress", [("Preprocess", []), ("Inference", [("Postprocess", [])])]),
+        ),
+        (
+            [["preprocess", "inference"], ["postprocess"]],
+            ("Ingress", [("Inference", [("Postprocess", [])])]),
+        ),
+        ("fused", ("Ingress", [("Inference", [])])),
+        ("direct", ("Ingress", [])),
+    ],
+)
+def test_the_ingress_calls_the_groups_up_to_inference_and_inference_calls_the_rest(
+    topology, calls
+) -> None:
+    from serve_app.app import build_app
+
+    app = build_app({"model_repository": str(ROOT / "models"), "topology": topology})
+    assert _calls(app) == calls
