@@ -23,7 +23,7 @@ def test_top_k_softmax_matches_a_full_sort_of_the_softmax() -> None:
     sorting the whole softmax."""
     logits = (np.random.default_rng(2).normal(size=(9, 1000)) * 4).astype(np.float32)
     probs = softmax(logits)
-    for k in (1, 5, 1000):
+    for k in (1, 5, 16, 17, 1000):  # both ways of finding the winners (16 | 17)
         ids, scores = top_k_softmax(logits, k)
         expected = np.argsort(-probs, axis=1, kind="stable")[:, :k]
         np.testing.assert_array_equal(ids, expected)
@@ -32,3 +32,10 @@ def test_top_k_softmax_matches_a_full_sort_of_the_softmax() -> None:
         )
     ids, scores = top_k_softmax(np.empty((0, 3), np.float32), 2)
     assert ids.shape == (0, 2) and scores.shape == (0, 2)
+
+
+def test_top_k_softmax_breaks_ties_by_the_lower_class() -> None:
+    logits = np.array([[1.0, 3.0, 3.0, 0.0, 3.0], [2.0, 2.0, 2.0, 2.0, 2.0]], np.float32)
+    ids, scores = top_k_softmax(logits, 3)
+    np.testing.assert_array_equal(ids, [[1, 2, 4], [0, 1, 2]])
+    np.testing.assert_allclose(scores[1], [0.2, 0.2, 0.2], rtol=1e-6)
