@@ -33,6 +33,8 @@ def _child(mode: str, args: argparse.Namespace) -> dict:
             args.model,
             "--repository",
             args.repository,
+            "--out",
+            str(args.out),
         ],
         capture_output=True,
         text=True,
@@ -98,8 +100,7 @@ def child(mode: str, args: argparse.Namespace) -> dict:
     phases.update({f"capture.b{k}": v for k, v in sorted(captures.items())})
     replay = engine.measure_replays()
     out = engine.infer(batch)
-    np.save(f"/tmp/startup-{mode}-logits.npy", out.logits)
-    np.save(f"/tmp/startup-{mode}-embedding.npy", out.embedding)
+    np.savez(args.out / f"outputs-{mode}.npz", logits=out.logits, embedding=out.embedding)
     from engines.gpu_decode import GpuJpegDecoder
     from engines.images import DecodeLimits
 
@@ -109,18 +110,17 @@ def child(mode: str, args: argparse.Namespace) -> dict:
     return {"phases": phases, "replay_ms": replay}
 
 
-def _compare(mode: str) -> dict:
+def _compare(mode: str, out: Path) -> dict:
+    """`mode`'s outputs against the default mode's, on the same batch."""
     import numpy as np
 
     try:
-        base_l = np.load("/tmp/startup-default-logits.npy")
-        base_e = np.load("/tmp/startup-default-embedding.npy")
-        logits = np.load(f"/tmp/startup-{mode}-logits.npy")
-        emb = np.load(f"/tmp/startup-{mode}-embedding.npy")
+        base, mine = np.load(out / "outputs-default.npz"), np.load(out / f"outputs-{mode}.npz")
     except OSError:
         return {}
-    cos = float(np.min(np.sum(base_e * emb, axis=1)))
-    return {"max_logit_diff": float(np.abs(base_l - logits).max()), "min_emb_cosine": cos}
+    cosine = float(np.min(np.sum(base["embedding"] * mine["embedding"], axis=1)))
+    diff = float(np.abs(base["logits"] - mine["logits"]).max())
+    return {"max_logit_diff": diff, "min_emb_cosine": cosine}
 
 
 def main() -> int:
@@ -134,14 +134,14 @@ def main() -> int:
     if args.child:
         print(json.dumps(child(args.child, args)))
         return 0
+    args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for mode in args.modes.split(","):
         row = _child(mode, args)
         if mode != "default":
-            row.update(_compare(mode))
+            row.update(_compare(mode, args.out))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "startup.json").write_text(json.dumps(rows, indent=1))
     print(f"\n{'mode':<20} {'wall s':>7}  phases")
     for row in rows:

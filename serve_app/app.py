@@ -97,14 +97,17 @@ def build_app(args: dict[str, Any]) -> Application:
         env_vars = {name: os.environ.get(name, value) for name, value in DIRECT_REPLICA_ENV.items()}
         options = {**Ingress.ray_actor_options, "runtime_env": {"env_vars": env_vars}}
         return Ingress.options(ray_actor_options=options).bind(shared)
-    # Bound last to first: the groups after the one holding inference are called by the group
-    # before them; the ingress chains the others (serve_app/topology.py, StageChain).
-    chained, next = [], None
-    for group in reversed(stage_groups):
+
+    # The ingress chains the groups up to the one holding inference; the groups after it
+    # are called by the group before them (serve_app/topology.py, StageChain).
+    def bind(group: Group, calls: Application | None) -> Application:
         name = deployment_name(group)
-        stages = Stages.options(name=name, **DEFAULTS[name])
-        if chained or "inference" in group:
-            chained.insert(0, stages.bind(shared, group, None if chained else next))
-        else:
-            next = stages.bind(shared, group, next)
+        return Stages.options(name=name, **DEFAULTS[name]).bind(shared, group, calls)
+
+    inference = next(i for i, group in enumerate(stage_groups) if "inference" in group)
+    after = None
+    for group in reversed(stage_groups[inference + 1 :]):
+        after = bind(group, after)
+    chained = [bind(group, None) for group in stage_groups[:inference]]
+    chained.append(bind(stage_groups[inference], after))
     return Ingress.bind(shared, *chained)

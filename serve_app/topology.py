@@ -44,9 +44,10 @@ class StageChain:
     argument, so Serve routes it once that result is ready and the replica fetches it
     straight from the one that made it (the images and crops, the large part, never pass
     back through the ingress). The group holding inference calls the groups after it
-    itself and returns their answers: its results are small, and sent back to the ingress
-    between two calls they would cost the ingress, which one connection's requests all
-    pass through, about 30% more CPU an image (H200, docs/performance.md).
+    itself and returns their answers: its results are small, Ray returns small results to
+    the caller, and passed through the ingress between two calls they cost one connection,
+    whose requests all share one ingress replica, 28% of its images/s (H200,
+    docs/performance.md).
 
     Through Ray's object store. (Serve's gRPC transport, `_by_reference=False`, cost its
     caller a third of the CPU per call on a 2-core CPU machine, but answers past its 4 MiB
