@@ -108,6 +108,7 @@ def bench_model(name: str, build, repeats: int) -> list[dict]:
             num_classes=1000,
             max_batch_size=max(BATCHES),
             slots=1,
+            background_capture=False,
             **options,
         )
         startup = time.perf_counter() - start

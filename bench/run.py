@@ -25,6 +25,7 @@ import contextlib
 import fnmatch
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -436,6 +437,24 @@ def _wait_for_line(log: Path, marker: str, child: subprocess.Popen, timeout: flo
     return None
 
 
+REPLICA_STARTED = re.compile(
+    r"deployment='(?P<deployment>[^']+)'.*\) started successfully .* after (?P<s>[\d.]+)s"
+)
+
+
+def replica_starts(since: float, logs: Path = Path("/tmp/ray/session_latest/logs/serve")) -> dict:
+    """Seconds from Serve starting each replica to its running, by deployment, as the Serve
+    controller logs them (controller logs written since `since`, a time.time())."""
+    starts: dict[str, list[float]] = {}
+    for path in sorted(logs.glob("controller_*.log")):
+        if path.stat().st_mtime < since:
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            if match := REPLICA_STARTED.search(line):
+                starts.setdefault(match["deployment"], []).append(float(match["s"]))
+    return starts
+
+
 def _port_free(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(1.0)
@@ -576,12 +595,21 @@ def run_server(scenario: str, server: dict, loads: list[dict], port: int, args) 
                         _row(scenario, name, d, {"failed": "server not ready"}) for d in remote
                     ]
                 else:
-                    print(f"{scenario}/{name}: ready after {ready_after:.0f} s", flush=True)
-                    (out / "ready.txt").write_text(f"{ready_after:.1f}\n{ready}\n")
+                    starts = replica_starts(started)
+                    spans = ", ".join(
+                        f"{d} {min(s):.1f}-{max(s):.1f} s ({len(s)})" for d, s in starts.items()
+                    )
+                    print(
+                        f"{scenario}/{name}: ready after {ready_after:.0f} s; replicas "
+                        f"started to running: {spans}",
+                        flush=True,
+                    )
+                    (out / "ready.txt").write_text(f"{ready_after:.1f}\n{ready}\n{spans}\n")
                     for load_def in remote:
                         target, path = f"127.0.0.1:{port}", out / f"{load_def['name']}.json"
                         report = run_grpc_load(load_def, target, tree, path, args.profile)
                         report["ready_after_s"] = ready_after
+                        report["replica_start_s"] = starts
                         rows.append(_row(scenario, name, load_def, report))
             finally:
                 _stop(child, tree)

@@ -1,20 +1,28 @@
 """The serving half shared by both graph-captured GPU engines (torch-CUDA and TensorRT).
 
 A `GraphEngine` holds `slots` independent sets of {CUDA stream, pinned host buffers, device
-staging buffer, one captured graph per bucket}. A batch takes a free slot for its whole run,
-so with `@serve.batch(max_concurrent_batches=k)` and k <= slots no two batches ever write the
-same static input, while one batch's host copies overlap another's GPU work. A batch of n
-images runs as the pieces `BucketPlanner` chooses, each copied from pinned memory into its
-graph's static input on the slot's stream (normalized there when it arrives as uint8),
-replayed, and its outputs (logits and, where the model has one, the embedding: every output
-of the one pass) copied back.
+staging buffer, graph memory pool, one captured graph per bucket}. A batch takes a free slot
+for its whole run, so with `@serve.batch(max_concurrent_batches=k)` and k <= slots no two
+batches ever write the same static input or intermediate buffer, while one batch's host
+copies overlap another's GPU work. A batch of n images runs as the pieces `BucketPlanner`
+chooses among the buckets captured so far, each copied from pinned memory into its graph's
+static input on the slot's stream (normalized there when it arrives as uint8), replayed, and
+its outputs (logits and, where the model has one, the embedding: every output of the one
+pass) copied back.
+
+Start-up captures the largest bucket in every slot; the others follow, at start or (with
+`background`) in a thread while the engine already serves: a replica takes traffic seconds
+sooner, and until a smaller bucket joins the planner, batches run padded into larger ones.
 """
 
 from __future__ import annotations
 
 import abc
 import ctypes
+import logging
 import queue
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +32,8 @@ import torch
 
 from engines.base import Engine, EngineError, Outputs
 from engines.buckets import BucketPlanner
+
+logger = logging.getLogger(__name__)
 
 CU_CTX_SCHED_BLOCKING_SYNC = 0x04  # cuda.h
 
@@ -70,6 +80,10 @@ class Slot:
         c, h, w = engine.info.input_shape
         n, device = engine.info.max_batch_size, engine.device
         self.stream = torch.cuda.Stream(device)
+        # The slot's graphs share one memory pool (they never run at once: a slot runs one
+        # batch at a time, its pieces in order); two slots' graphs do run at once, so each
+        # slot has its own, or their intermediate buffers would overlap.
+        self.pool = torch.cuda.graph_pool_handle()
         self.host_u8 = torch.empty((n, h, w, c), dtype=torch.uint8).pin_memory()
         self.host_f32 = torch.empty((n, c, h, w), dtype=torch.float32).pin_memory()
         self.host_out = tuple(
@@ -78,8 +92,6 @@ class Slot:
         )
         self.device_u8 = torch.empty((n, h, w, c), dtype=torch.uint8, device=device)
         self.graphs: dict[int, CapturedGraph] = {}
-        for bucket in sorted(engine.buckets, reverse=True):  # largest first: pool reuse
-            self.graphs[bucket] = engine._capture(bucket, self)
 
 
 Fill = Callable[[CapturedGraph, int, int, int], None]
@@ -95,7 +107,10 @@ class GraphEngine(Engine):
 
     @abc.abstractmethod
     def _capture(self, bucket: int, slot: Slot) -> CapturedGraph:
-        """Warm up and capture the graph for `bucket` on `slot.stream`."""
+        """Warm up and capture the graph for `bucket` on `slot.stream`, in `slot.pool`."""
+
+    def _warm_up(self, bucket: int) -> None:
+        """The slow first pass at a new batch size, holding no slot (so serving goes on)."""
 
     def output_widths(self) -> tuple[int, ...]:
         """The width of each static output: the classes, then the embedding's (if any)."""
@@ -112,38 +127,97 @@ class GraphEngine(Engine):
                 f"`raystream export`"
             )
 
-    def _start_slots(self, slots: int, plan_by_latency: bool) -> dict[int, float] | None:
+    def _start_slots(self, slots: int, plan_by_latency: bool, background: bool = False) -> None:
+        """Capture the largest bucket in every slot, then the others: here, or with
+        `background` in a thread (`captured` is set when every bucket is in)."""
         self._scale = self._shift = None  # uint8 normalization constants, made when needed
+        self._plan_by_latency = plan_by_latency
+        self.replay_ms: dict[int, float] = {}  # each captured bucket's median replay
+        self.captured = threading.Event()
+        self._closing = False
         self._slots: queue.Queue[Slot] = queue.Queue()
-        with torch.inference_mode():
-            for _ in range(slots):
-                self._slots.put(Slot(self))
-        latency = self.measure_replays() if plan_by_latency else None
-        self.planner = BucketPlanner(self.buckets, latency)
-        return latency
+        # Taken to take a slot. A capture takes every slot under it, so batches that keep
+        # coming cannot starve it of the last one (queue.Queue is not fair to waiters).
+        self._taking = threading.Lock()
+        for _ in range(slots):
+            self._slots.put(Slot(self))
+        self._slot_count = slots
+        largest, *others = sorted(self.buckets, reverse=True)  # largest first: pool reuse
+        self._add_bucket(largest)
+        self._capturing = None
+        if background and others:
+            self._capturing = threading.Thread(
+                target=self._add_buckets_or_log, args=(others,), name="capture", daemon=True
+            )
+            self._capturing.start()
+        else:
+            self._add_buckets(others)
 
-    def measure_replays(self, repeats: int = 20) -> dict[int, float]:
-        """Median replay time of each bucket's graph (CUDA events), for the planner."""
-        slot = self._slots.queue[0]
-        latency = {}
+    def _add_buckets(self, buckets: list[int]) -> None:
+        started = time.perf_counter()
+        for bucket in buckets:
+            if self._closing:
+                return
+            self._warm_up(bucket)
+            self._add_bucket(bucket)
+        self.captured.set()
+        if buckets:
+            logger.info(
+                "buckets %s captured in %.1f s; replay ms %s",
+                buckets,
+                time.perf_counter() - started,
+                self.replay_ms,
+            )
+
+    def _add_buckets_or_log(self, buckets: list[int]) -> None:
+        try:
+            self._add_buckets(buckets)
+        except Exception:
+            # The engine goes on with the buckets it has: every batch still has a plan.
+            logger.exception("capturing buckets failed; serving with %s", self.planner.buckets)
+
+    def _add_bucket(self, bucket: int) -> None:
+        """Capture `bucket` in every slot, holding them all (no batch runs meanwhile: a
+        pause of tens of ms once its kernels are warm), time its replay, then plan with it."""
+        with self._taking:
+            held = [self._slots.get() for _ in range(self._slot_count)]
+        try:
+            with torch.inference_mode():
+                for slot in held:
+                    slot.graphs[bucket] = self._capture(bucket, slot)
+                if self._plan_by_latency:
+                    self.replay_ms[bucket] = self._median_replay_ms(held[0], bucket)
+        finally:
+            for slot in held:
+                self._slots.put(slot)
+        ready = sorted(held[0].graphs)
+        self.planner = BucketPlanner(ready, self.replay_ms if self._plan_by_latency else None)
+
+    @staticmethod
+    def _median_replay_ms(slot: Slot, bucket: int, repeats: int = 20) -> float:
+        graph = slot.graphs[bucket].graph
+        times = []
         # replay() launches on the current stream: make it the slot's, as serving does.
         with torch.cuda.stream(slot.stream):
-            for bucket, graph in slot.graphs.items():
-                times = []
-                for _ in range(repeats):
-                    begin = torch.cuda.Event(enable_timing=True)
-                    end = torch.cuda.Event(enable_timing=True)
-                    begin.record()
-                    graph.graph.replay()
-                    end.record()
-                    end.synchronize()
-                    times.append(begin.elapsed_time(end))
-                latency[bucket] = float(np.median(times))
-        return latency
+            for _ in range(repeats):
+                begin = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                begin.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(begin.elapsed_time(end))
+        return float(np.median(times))
+
+    def measure_replays(self, repeats: int = 20) -> dict[int, float]:
+        """Median replay time of each captured bucket's graph (CUDA events)."""
+        with self._slot() as slot, torch.inference_mode():
+            return {bucket: self._median_replay_ms(slot, bucket, repeats) for bucket in slot.graphs}
 
     @contextmanager
     def _slot(self) -> Iterator[Slot]:
-        slot = self._slots.get()
+        with self._taking:
+            slot = self._slots.get()
         try:
             yield slot
         finally:
@@ -151,10 +225,11 @@ class GraphEngine(Engine):
 
     def _run(self, slot: Slot, n: int, fill: Fill) -> Outputs:
         lo = 0
+        planner = self.planner  # buckets may join meanwhile: one plan, from one planner
         # Input the caller made on its own stream (crops joined on the GPU) is ready first.
         slot.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.inference_mode(), torch.cuda.stream(slot.stream):
-            for bucket in self.planner.plan(n):
+            for bucket in planner.plan(n):
                 count = min(bucket, n - lo)
                 graph = slot.graphs[bucket]
                 fill(graph, lo, lo + count, count)
@@ -214,6 +289,9 @@ class GraphEngine(Engine):
             return self._run(slot, n, fill)
 
     def close(self) -> None:
+        self._closing = True
+        if self._capturing is not None:
+            self._capturing.join()  # at most one bucket's capture away
         while not self._slots.empty():
             self._slots.get_nowait()
         torch.cuda.empty_cache()

@@ -3,8 +3,9 @@
 Start-up: load the module (the torch.export program written by `raystream export`), warm it
 up, optionally `torch.compile` it (default mode, no autotuning, so start-up stays bounded)
 for buckets from `compile_min_batch` up, capture one CUDA graph per bucket and slot
-(engines/cuda_graphs.py), and time each replay for the bucket planner. The
-replica reports ready only after all of this, so no request pays for it.
+(engines/cuda_graphs.py), and time each replay for the bucket planner. The engine is ready
+once the largest bucket is captured; by default the others follow in the background, each
+warmed on a stream of its own first, so no request waits for a capture.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ import torch
 
 from engines.base import EngineError, EngineInfo
 from engines.buckets import buckets_up_to
-from engines.cuda_graphs import CapturedGraph, GraphEngine, Slot, sleep_in_every_gpu_wait
+from engines.cuda_graphs import (
+    CapturedGraph,
+    GraphEngine,
+    Slot,
+    sleep_in_every_gpu_wait,
+    wait_asleep,
+)
 from engines.repository import ModelRef
 
 logger = logging.getLogger(__name__)
@@ -43,13 +50,20 @@ class TorchCudaEngine(GraphEngine):
         plan_by_latency: bool = True,
         blocking_sync: bool = False,
         autotune: bool = False,
+        background_capture: bool = True,
     ) -> None:
         """`module` returns the logits, or (logits, embedding) where `embedding_dim` > 0.
         autotune: cuDNN times every convolution algorithm for each bucket's shapes at
         start-up. Off by default: on an H200 it added 16 s to EfficientNet-Lite0's start and
         left every bucket's replay time unchanged (bench/gpu_startup.py).
         blocking_sync: every wait for the GPU in this process sleeps instead of spinning
-        a core (cuda_graphs.sleep_in_every_gpu_wait), the nvJPEG decoder's included."""
+        a core (cuda_graphs.sleep_in_every_gpu_wait), the nvJPEG decoder's included.
+        background_capture: ready once the largest bucket is captured; the smaller ones
+        follow while the engine serves. The first pass at each batch size is what takes
+        time (cuDNN picks and builds every convolution's kernels for the new shapes: about
+        2.5 s a bucket for EfficientNet-Lite0 on an H200), so this cuts the start by that
+        much per bucket. Until a bucket joins, batches of its size run padded into a larger
+        one. `captured` is set once all are in."""
         if precision not in DTYPES:
             raise EngineError(
                 f"torch-cuda runs fp32, fp16 or bf16, got precision "
@@ -78,16 +92,17 @@ class TorchCudaEngine(GraphEngine):
             torch.compile(self._module, dynamic=False) if compile_min_batch is not None else None
         )
         self._compile_min_batch = compile_min_batch or 0
-        self._pool = torch.cuda.graph_pool_handle()
-        latency = self._start_slots(slots, plan_by_latency)
+        self._warm_stream = torch.cuda.Stream(self.device)
+        self._start_slots(slots, plan_by_latency, background=background_capture)
         self.startup_s = time.perf_counter() - start
         logger.info(
-            "torch-cuda ready in %.1f s: %s, buckets %s, %d slots, replay ms %s",
+            "torch-cuda ready in %.1f s: %s, %d slots, buckets %s captured%s, replay ms %s",
             self.startup_s,
             precision,
-            self.buckets,
             slots,
-            latency,
+            self.planner.buckets,
+            "" if self.captured.is_set() else f" ({self.buckets} in the background)",
+            self.replay_ms,
         )
 
     @classmethod
@@ -113,25 +128,38 @@ class TorchCudaEngine(GraphEngine):
             **options,
         )
 
-    def _capture(self, bucket: int, slot: Slot) -> CapturedGraph:
+    def _function(self, bucket: int) -> torch.nn.Module:
+        if self._compiled is not None and bucket >= self._compile_min_batch:
+            return self._compiled
+        return self._module
+
+    def _random_input(self, bucket: int) -> torch.Tensor:
         c, h, w = self.info.input_shape
-        static_in = (
+        return (
             torch.randn((bucket, c, h, w), device=self.device)
             .to(self.dtype)
             .contiguous(memory_format=torch.channels_last)
         )
-        fn = (
-            self._compiled
-            if self._compiled is not None and bucket >= self._compile_min_batch
-            else self._module
-        )
+
+    def _warm_up(self, bucket: int) -> None:
+        with torch.inference_mode(), torch.cuda.stream(self._warm_stream):
+            self._function(bucket)(self._random_input(bucket))
+        wait_asleep(self._warm_stream)
+
+    def _capture(self, bucket: int, slot: Slot) -> CapturedGraph:
+        fn = self._function(bucket)
         slot.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(slot.stream):
+            static_in = self._random_input(bucket)
             for _ in range(3):  # autotuning, compilation and lazy init happen here
                 fn(static_in)
         slot.stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=slot.stream):
+        # thread_local: other threads of the process (the nvJPEG decoder's, a background
+        # capture's server) may allocate meanwhile; only this thread must not.
+        with torch.cuda.graph(
+            graph, pool=slot.pool, stream=slot.stream, capture_error_mode="thread_local"
+        ):
             static_out = fn(static_in)  # both outputs of the one pass: both captured
         outputs = tuple(static_out) if isinstance(static_out, tuple | list) else (static_out,)
         self._check_outputs(outputs, bucket)

@@ -82,3 +82,73 @@ def test_blocking_sync_puts_every_gpu_wait_of_the_process_to_sleep() -> None:
         for block in (False, True)
     ]
     assert states == [["0", "1"], ["4", "1"]]
+
+
+def _batches(reference, count: int, size: int) -> list:
+    """`count` different batches of `size`: the real photos, each batch shifted in brightness."""
+    import numpy as np
+
+    rows = np.resize(np.arange(len(reference.batch)), size)
+    return [reference.batch[rows] + 0.1 * i for i in range(count)]
+
+
+def test_two_slots_running_at_once_keep_their_own_buffers(model, engine_reference) -> None:
+    """Two batches on the two slots at once, over and over: each answer equals the one the
+    same batch gets alone. The slots' graphs must not share intermediate buffers (one graph
+    memory pool per slot), or concurrent replays would overwrite each other's activations."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from engines import create_engine
+
+    batches = _batches(engine_reference, count=2, size=64)
+    with create_engine("torch-cuda", model, max_batch_size=64, background_capture=False) as engine:
+        alone = [engine.infer(batch).logits for batch in batches]
+        with ThreadPoolExecutor(2) as pool:
+            for _ in range(50):
+                both = list(pool.map(engine.infer, batches))
+                for got, expected in zip(both, alone, strict=True):
+                    np.testing.assert_allclose(got.logits, expected, rtol=0, atol=1e-3)
+
+
+def test_background_capture_serves_at_once_and_adds_every_bucket(
+    model, engine_reference, monkeypatch
+) -> None:
+    """Ready with the largest bucket only; batches sent while the others are captured get the
+    same answers (to FP16's tolerance) as once every bucket is in."""
+    import threading
+
+    import numpy as np
+
+    from engines import create_engine
+    from engines.scores import softmax
+    from engines.torch_cuda import TorchCudaEngine
+
+    # Hold the background captures until batches have run on the largest bucket alone (this
+    # process may already have every shape's kernels, which would make them too quick).
+    gate, warm_up = threading.Event(), TorchCudaEngine._warm_up
+    monkeypatch.setattr(
+        TorchCudaEngine, "_warm_up", lambda self, bucket: gate.wait(60) and warm_up(self, bucket)
+    )
+    batch = _batches(engine_reference, count=1, size=3)[0]
+    with create_engine("torch-cuda", model, max_batch_size=64) as engine:
+        assert engine.planner.buckets == (64,)
+        during = [engine.infer(batch) for _ in range(3)]
+        gate.set()
+
+        def serve() -> None:
+            while not engine.captured.is_set():
+                during.append(engine.infer(batch))
+
+        threads = [threading.Thread(target=serve) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        assert engine.captured.wait(300)
+        for thread in threads:
+            thread.join()
+        assert engine.planner.buckets == engine.buckets
+        after = engine.infer(batch)
+    for out in during:
+        np.testing.assert_array_equal(out.logits.argmax(1), after.logits.argmax(1))
+        assert np.abs(softmax(out.logits) - softmax(after.logits)).max() <= 1e-2
