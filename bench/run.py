@@ -605,6 +605,9 @@ def run_server(scenario: str, server: dict, loads: list[dict], port: int, args) 
                         flush=True,
                     )
                     (out / "ready.txt").write_text(f"{ready_after:.1f}\n{ready}\n{spans}\n")
+                    # The GPU engines capture their smaller buckets in the background once
+                    # ready (engines/cuda_graphs.py): loads measure the settled server.
+                    time.sleep(float(server.get("settle_s", 0)))
                     for load_def in remote:
                         target, path = f"127.0.0.1:{port}", out / f"{load_def['name']}.json"
                         report = run_grpc_load(load_def, target, tree, path, args.profile)
