@@ -101,7 +101,7 @@ class TorchCudaEngine(GraphEngine):
             precision,
             slots,
             self.planner.buckets,
-            "" if self.captured.is_set() else f" ({self.buckets} in the background)",
+            "" if self.captured.is_set() else f" (the rest of {self.buckets} in the background)",
             self.replay_ms,
         )
 
@@ -155,8 +155,8 @@ class TorchCudaEngine(GraphEngine):
                 fn(static_in)
         slot.stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads of the process (the nvJPEG decoder's, a background
-        # capture's server) may allocate meanwhile; only this thread must not.
+        # thread_local: the process's other threads (nvJPEG's decode, the engine's serving
+        # threads during a background capture) may allocate meanwhile; only this one must not.
         with torch.cuda.graph(
             graph, pool=slot.pool, stream=slot.stream, capture_error_mode="thread_local"
         ):
