@@ -2,7 +2,11 @@
 Ingress replica, the first Inference replica, ...) over the load's measured window, and the
 samples are summed per function.
 
-    python bench/run.py SCENARIO --profile [native]   (py-spy on PATH: pip install py-spy)
+    python bench/run.py SCENARIO --profile [native|gil]   (py-spy on PATH: pip install py-spy)
+
+`native` adds C frames (torch, nvJPEG, gRPC, Ray's core worker) and pauses the process for
+each sample; `gil` samples only the thread holding the GIL: where a replica whose Python
+runs near one core spends it.
 
 Each profiled process leaves `<load>.<process>.txt` in the server's results folder: its busiest
 functions by own time and by time including callees, as shares of the samples taken.
@@ -19,6 +23,7 @@ import time
 from pathlib import Path
 
 RATE = 97  # samples per second, off the beat of periodic work
+MODES = ("python", "native", "gil")
 
 
 def available() -> bool:
@@ -35,9 +40,9 @@ class Recording:
         begin: float,
         end: float,
         prefix: Path,
-        native: bool = False,
+        mode: str = "python",
     ) -> None:
-        self._native = native
+        self._mode = mode
         self._started: list[tuple[subprocess.Popen, Path]] = []
         self._thread = threading.Thread(
             target=self._record, args=(pids_by_name, begin, end, prefix), daemon=True
@@ -53,7 +58,8 @@ class Recording:
             command = ["py-spy", "record", "--pid", str(pid), "--duration", seconds]
             command += ["--rate", str(RATE), "--format", "raw", "-o", str(raw)]
             # native stacks need the process paused for each sample
-            command += ["--native"] if self._native else ["--nonblocking"]
+            command += ["--native"] if self._mode == "native" else ["--nonblocking"]
+            command += ["--gil"] if self._mode == "gil" else []
             child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             self._started.append((child, raw))
 

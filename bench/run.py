@@ -290,9 +290,7 @@ def run_grpc_load(
             sampler.start()
             if profile:
                 replicas = tree.one_per_kind("ServeReplica")
-                recording = profiles.Recording(
-                    replicas, start, end, path.with_suffix(""), native=profile == "native"
-                )
+                recording = profiles.Recording(replicas, start, end, path.with_suffix(""), profile)
             threading.Thread(target=sample, args=(start, end), daemon=True).start()
         else:
             lines.append(line.rstrip())
@@ -779,8 +777,9 @@ def main() -> None:
         "--profile",
         nargs="?",
         const="python",
-        choices=("python", "native"),
-        help="py-spy one replica per deployment (native: C frames too)",
+        choices=profiles.MODES,
+        help="py-spy one replica per deployment (native: C frames too; gil: only the "
+        "thread holding the GIL, what the process' Python waits for)",
     )
     parser.add_argument("--baseline-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()

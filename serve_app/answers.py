@@ -14,6 +14,7 @@ functions (`v1_answer`, `oip_answer`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 from collections import Counter
 from collections.abc import Sequence
@@ -53,6 +54,7 @@ def answer_all(batch: Batch, spec: ModelSpec) -> list[Answer]:
     for row, job_index in enumerate(batch.owners[:, 0].tolist()):
         rows_of.setdefault(job_index, []).append(row)
     image_of = batch.owners[:, 1].tolist()
+    entries = _label_entries(spec.labels)
     answers = []
     for index, job in enumerate(batch.jobs):
         failure = batch.job_failures.get(index)
@@ -68,7 +70,7 @@ def answer_all(batch: Batch, spec: ModelSpec) -> list[Answer]:
             elif job.protocol == "oip":
                 fragments.append(_oip_rows(batch, row, job, spec))
             else:
-                fragments.append(_v1_result(batch, row, job, spec))
+                fragments.append(_v1_result(batch, row, job, entries))
         if job.protocol == "oip":
             widths = oip_widths(job.oip_outputs, spec.num_classes, spec.embedding_dim)
             answer = oip_answer(job, spec.name, spec.version, widths, fragments, batch.timing)
@@ -78,6 +80,9 @@ def answer_all(batch: Batch, spec: ModelSpec) -> list[Answer]:
             answer = dataclasses.replace(answer, fragments=tuple(fragments))
         answers.append(answer)
     return answers
+
+
+ZERO_FLOAT = bytes(4)
 
 
 def _varint(value: int) -> bytes:
@@ -100,17 +105,36 @@ def embedding_bytes(vector: np.ndarray) -> bytes:
 # length-delimited entry, in image order) and its timing: the bytes SerializeToString writes.
 
 
-def _v1_result(batch: Batch, row: int, job: Job, spec: ModelSpec) -> bytes:
+LabelEntries = tuple[tuple[bytes, ...], tuple[bytes, ...]]
+
+
+@functools.lru_cache(maxsize=8)
+def _label_entries(labels: tuple[str, ...]) -> LabelEntries:
+    """Each class's `Label` as a field-1 entry of an ImageResult, up to its score's 4 bytes,
+    and whole for a score of 0 (proto3 writes no zero): the bytes SerializeToString writes,
+    made once per model instead of a message per label."""
+    scored, unscored = [], []
+    for class_id, name in enumerate(labels):
+        head = pb.Label(class_id=class_id, name=name).SerializeToString()
+        scored.append(b"\x0a" + _varint(len(head) + 5) + head + b"\x1d")  # field 3, fixed32
+        unscored.append(b"\x0a" + _varint(len(head)) + head)
+    return tuple(scored), tuple(unscored)
+
+
+def _v1_result(batch: Batch, row: int, job: Job, entries: LabelEntries) -> bytes:
     """One image's `ImageResult` as a field-2 entry of a ClassifyResponse."""
-    result = pb.ImageResult()
+    data = b""
     if job.labels:
-        for class_id, score in zip(
-            batch.top_ids[row, : job.top_k].tolist(),
-            batch.top_scores[row, : job.top_k].tolist(),
-            strict=True,
-        ):
-            result.labels.add(class_id=class_id, name=spec.labels[class_id], score=score)
-    data = result.SerializeToString()
+        scored, unscored = entries
+        ids = batch.top_ids[row, : job.top_k].tolist()
+        raw = batch.top_scores[row, : job.top_k].astype("<f4").tobytes()
+        scores = [raw[i : i + 4] for i in range(0, len(raw), 4)]
+        data = b"".join(
+            [
+                scored[class_id] + score if score != ZERO_FLOAT else unscored[class_id]
+                for class_id, score in zip(ids, scores, strict=True)
+            ]
+        )
     if job.embedding:  # field 3, after the labels (field 1): as SerializeToString orders them
         vector = embedding_bytes(batch.embeddings[row])
         data += b"\x1a" + _varint(len(vector)) + vector
