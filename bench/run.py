@@ -219,6 +219,37 @@ def _tcp_connections(port: int) -> int:
     return count
 
 
+def gpu_busy(seconds: int) -> dict:
+    """Over the next `seconds`: the share of each second that kernels ran (`sm`) and that
+    the JPEG decode engines were busy (`jpg`), in %, averaged over the seconds and the GPUs
+    (`nvidia-smi dmon -s u`). Empty without nvidia-smi or when it fails."""
+    if shutil.which("nvidia-smi") is None:
+        return {}
+    command = ["nvidia-smi", "dmon", "-s", "u", "-d", "1", "-c", str(max(seconds, 1))]
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return parse_dmon(out.stdout)
+
+
+def parse_dmon(text: str) -> dict:
+    """`nvidia-smi dmon` output -> the mean of each column asked for, over its rows."""
+    columns, rows = [], []
+    for line in text.splitlines():
+        fields = line.lstrip("#").split()
+        if line.startswith("#") and "sm" in fields:
+            columns = fields
+        elif columns and not line.startswith("#") and len(fields) == len(columns):
+            rows.append(dict(zip(columns, fields, strict=True)))
+    means = {}
+    for column in ("sm", "jpg"):
+        values = [float(row[column]) for row in rows if row.get(column, "-").isdigit()]
+        if values:
+            means[column] = round(sum(values) / len(values), 1)
+    return means | ({"samples": len(rows)} if means else {})
+
+
 # --- loads -----------------------------------------------------------------------------
 
 
@@ -279,6 +310,12 @@ def run_grpc_load(
         time.sleep(max(start + (end - start) / 2 - time.time(), 0))
         measured["tcp_connections"] = _tcp_connections(port)
 
+    gpu: dict = {}
+
+    def sample_gpu(start: float, end: float) -> None:
+        time.sleep(max(start - time.time(), 0))
+        gpu.update(gpu_busy(int(end - start)))
+
     for line in child.stdout:
         if line.startswith("window "):
             start, end = map(float, line.split()[1:3])
@@ -292,12 +329,15 @@ def run_grpc_load(
                 replicas = tree.one_per_kind("ServeReplica")
                 recording = profiles.Recording(replicas, start, end, path.with_suffix(""), profile)
             threading.Thread(target=sample, args=(start, end), daemon=True).start()
+            gpu_sampler = threading.Thread(target=sample_gpu, args=(start, end), daemon=True)
+            gpu_sampler.start()
         else:
             lines.append(line.rstrip())
     child.wait()
     stop.set()
     if sampler is not None:
         sampler.join(30)
+        gpu_sampler.join(30)
     if recording is not None:
         recording.finish()
     if not path.exists():
@@ -305,6 +345,8 @@ def run_grpc_load(
     report = json.loads(path.read_text())
     report["summary"] = lines[0] if lines else ""
     report["server_cpu"] = measured
+    if gpu:
+        report["gpu_busy_percent"] = gpu
     if measured and report["images_answered"]:
         report["cpu_ms_per_image"] = measured["cpu_s"] * 1000.0 / report["images_answered"]
     if measured and report["requests_answered"]:
@@ -656,7 +698,13 @@ def _line(row: dict) -> str:
             f"{report['engine_images_per_s']:.1f} img/s"
         )
     cpu = report.get("cpu_ms_per_image")
-    return report.get("summary", "") + (f"; server CPU {cpu:.2f} ms/img" if cpu else "")
+    gpu = report.get("gpu_busy_percent", {})
+    return (
+        report.get("summary", "")
+        + (f"; server CPU {cpu:.2f} ms/img" if cpu else "")
+        + (f"; GPU kernels running {gpu['sm']:.0f}% of the time" if "sm" in gpu else "")
+        + (f", JPEG engines busy {gpu['jpg']:.0f}%" if "jpg" in gpu else "")
+    )
 
 
 # --- scenarios and the table ---------------------------------------------------------------

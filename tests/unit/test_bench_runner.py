@@ -1,4 +1,5 @@
-"""The benchmark runner's reading of the Serve controller's log (bench/run.py)."""
+"""The benchmark runner's reading of the Serve controller's log and of `nvidia-smi dmon`
+(bench/run.py)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,23 @@ def test_replica_starts_are_read_per_deployment_from_this_runs_logs(tmp_path: Pa
         "Postprocess": [1.2],
     }
     assert run.replica_starts(time.time() + 60, tmp_path) == {}  # an earlier server's log
+
+
+# `nvidia-smi dmon -s u -d 1` on an H200 (driver 580) during a saturated load: two GPUs'
+# worth of rows, one idle second (dmon pads each line with a space; stripped here).
+DMON = """# gpu     sm    mem    enc    dec    jpg    ofa
+# Idx      %      %      %      %      %      %
+    0     93     37      0      0     89      0
+    0     95     38      0      0     85      0
+    1      0      0      0      0      0      0
+    0     90     32      -      -     91      0
+"""
+
+
+def test_gpu_busy_is_each_column_averaged_over_its_rows() -> None:
+    assert run.parse_dmon(DMON) == {"sm": 69.5, "jpg": 66.2, "samples": 4}
+
+
+def test_no_dmon_rows_means_no_gpu_figures() -> None:
+    assert run.parse_dmon("") == {}
+    assert run.parse_dmon("Failed to initialize NVML: Driver/library version mismatch\n") == {}
