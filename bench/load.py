@@ -210,6 +210,11 @@ class _Requests:
         return rid, b"".join(pieces)
 
 
+# The server's own account of a request (its answer's `timing`), averaged over the answers
+# in the window: where the time of a request goes inside the server.
+TIMING = ("total", "queue", "preprocess", "inference", "postprocess")
+
+
 class _Stats:
     """One process' counts; merged across processes by `merge`."""
 
@@ -225,6 +230,8 @@ class _Stats:
         self.image_codes: collections.Counter[int] = collections.Counter()
         self.rpc_codes: collections.Counter[int] = collections.Counter()
         self.client_cpu_s = 0.0
+        self.timed = 0  # OK answers in the window, whose `timing` is summed here:
+        self.timing_sums = dict.fromkeys(TIMING, 0.0)
         self._answered: set[str] = set()
 
     def answer(self, response: pb.ClassifyResponse, now: float, outstanding: dict) -> None:
@@ -251,6 +258,10 @@ class _Stats:
             ):
                 self.outputs_missing += 1
         self._count(now, sent, total, ok)
+        if not response.error.code and self.window[0] <= now <= self.window[1]:
+            self.timed += 1
+            for name in TIMING:
+                self.timing_sums[name] += getattr(response.timing, f"{name}_ms")
 
     def failed_call(self, code: int, now: float, sent: float) -> None:
         """A unary call that ended with a non-OK status: its answer."""
@@ -528,6 +539,11 @@ def merge(spec: LoadSpec, results: list[dict]) -> dict:
         / max(ok_images, 1),
         "processes": len(results),
     }
+    timed = total("timed")
+    if timed:
+        report["server_timing_ms"] = {
+            name: sum(r["timing_sums"][name] for r in results) / timed for name in TIMING
+        }
     if spec.rate:
         report["offered_images_per_s"] = spec.rate
         report["send_lag_ms"] = _percentiles([x for r in results for x in r["lags"]])
@@ -553,11 +569,17 @@ def summary(report: dict) -> str:
     lat = report["latency_ms"] or dict.fromkeys(("p50", "p90", "p99", "max"), float("nan"))
     once = "exactly one answer each" if report["exactly_once"] else "NOT exactly one answer each"
     lag = report.get("send_lag_ms", {}).get("p99")
+    timing = report.get("server_timing_ms")
     return (
         f"{spec.describe()}, {report['processes']} process(es), {spec.duration:g} s: "
         f"{report['images_per_s']:.1f} img/s {report['requests_per_s']:.1f} req/s, latency ms "
         f"p50 {lat['p50']:.2f} p90 {lat['p90']:.2f} p99 {lat['p99']:.2f} max {lat['max']:.2f}"
         + (f", send lag p99 {lag:.2f} ms" if lag is not None else "")
+        + (
+            "; server's mean ms: " + ", ".join(f"{name} {timing[name]:.1f}" for name in TIMING)
+            if timing
+            else ""
+        )
         + f"; errors {errors(report) or 'none'}; {report['requests']['sent']} requests, {once}"
     )
 

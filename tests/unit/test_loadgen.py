@@ -83,6 +83,35 @@ def test_the_benchmark_loader_asks_for_its_outputs_and_counts_missing_ones() -> 
     assert stats.outputs_missing == 1 and stats.image_codes == {0: 2, 3: 1}
 
 
+def test_the_benchmark_loader_averages_the_servers_timing_of_ok_answers() -> None:
+    """bench/load.py reports where a request's time goes inside the server: the mean of each
+    `timing` field over the OK answers in the window (a failed request's times say nothing)."""
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import load
+
+    stats = load._Stats((0.0, 10.0), (True, False))
+    for rid, total_ms, queue_ms, code, now in [
+        ("a", 30.0, 10.0, 0, 1.0),
+        ("b", 50.0, 20.0, 0, 2.0),
+        ("c", 900.0, 0.0, 4, 3.0),  # failed: not averaged
+        ("d", 700.0, 0.0, 0, 11.0),  # after the window
+    ]:
+        response = pb.ClassifyResponse(request_id=rid)
+        response.error.code = code
+        response.timing.total_ms, response.timing.queue_ms = total_ms, queue_ms
+        stats.answer(response, now, {rid: now - 0.1})
+    spec = load.LoadSpec(target="x", duration=10.0)
+    report = load.merge(spec, [stats.result()])
+    assert report["server_timing_ms"]["total"] == 40.0
+    assert report["server_timing_ms"]["queue"] == 15.0
+    assert report["server_timing_ms"]["inference"] == 0.0
+    assert "server's mean ms: total 40.0, queue 15.0" in load.summary(report)
+
+
 def test_the_benchmark_loader_repeats_images_at_its_fraction(photos, model) -> None:
     """bench/load.py --repeat-fraction: repeated images are the same bytes every time, the
     others never repeat, and every variant decodes as its photo does, on the CPU and on the
