@@ -82,9 +82,6 @@ def answer_all(batch: Batch, spec: ModelSpec) -> list[Answer]:
     return answers
 
 
-ZERO_FLOAT = bytes(4)
-
-
 def _varint(value: int) -> bytes:
     out = bytearray()
     while value > 0x7F:
@@ -106,6 +103,7 @@ def embedding_bytes(vector: np.ndarray) -> bytes:
 
 
 LabelEntries = tuple[tuple[bytes, ...], tuple[bytes, ...]]
+ZERO_FLOAT = bytes(4)  # a score of 0.0 as float32, which proto3 leaves out
 
 
 @functools.lru_cache(maxsize=8)
