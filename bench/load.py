@@ -257,8 +257,7 @@ class _Stats:
                 or (self._embedding and not result.HasField("embedding"))
             ):
                 self.outputs_missing += 1
-        self._count(now, sent, total, ok)
-        if not response.error.code and self.window[0] <= now <= self.window[1]:
+        if self._count(now, sent, total, ok) and not response.error.code:
             self.timed += 1
             for name in TIMING:
                 self.timing_sums[name] += getattr(response.timing, f"{name}_ms")
@@ -269,12 +268,15 @@ class _Stats:
         self.rpc_codes[code] += 1
         self._count(now, sent, 0, 0)
 
-    def _count(self, now: float, sent: float, images: int, ok: int) -> None:
-        if self.window[0] <= now <= self.window[1]:
-            self.latencies.append(now - sent)
-            self.window_requests += 1
-            self.window_images += images
-            self.window_ok_images += ok
+    def _count(self, now: float, sent: float, images: int, ok: int) -> bool:
+        """Counts an answer that came in the window; whether it did."""
+        if not self.window[0] <= now <= self.window[1]:
+            return False
+        self.latencies.append(now - sent)
+        self.window_requests += 1
+        self.window_images += images
+        self.window_ok_images += ok
+        return True
 
     def result(self) -> dict:
         out = {k: v for k, v in vars(self).items() if not k.startswith("_")}

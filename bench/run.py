@@ -302,7 +302,7 @@ def run_grpc_load(
     child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     measured: dict = {}
     stop = threading.Event()
-    sampler = None
+    sampler = gpu_sampler = None
     lines = []
     recording = None
 
@@ -335,9 +335,9 @@ def run_grpc_load(
             lines.append(line.rstrip())
     child.wait()
     stop.set()
-    if sampler is not None:
-        sampler.join(30)
-        gpu_sampler.join(30)
+    for thread in (sampler, gpu_sampler):
+        if thread is not None:
+            thread.join(30)
     if recording is not None:
         recording.finish()
     if not path.exists():
