@@ -142,14 +142,6 @@ def _sample_jpeg(width: int, height: int) -> bytes:
     return buffer.getvalue()
 
 
-def with_host_crops(host: np.ndarray, crops: torch.Tensor) -> torch.Tensor:
-    """A request's CPU-decoded crops (PNGs, rotated JPEGs: `host`) ahead of its GPU crops, on
-    the GPU. Uploaded from pinned memory on the caller's stream, which GPU engines wait for,
-    so the caller does not block."""
-    uploaded = torch.from_numpy(host).pin_memory().to(crops.device, non_blocking=True)
-    return torch.cat([uploaded, crops])
-
-
 def crop_batch(images: list[torch.Tensor], spec: PreprocessSpec) -> torch.Tensor:
     """(3, H, W) uint8 images -> (N, S, S, 3) uint8 crops (the engine's layout): shorter side
     to resize_size, center crop S.

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import numpy as np
@@ -40,8 +40,21 @@ MAX_CONCURRENT_BATCHES = 2  # GPU engines hold this many slots (engines/cuda_gra
 # decode: gpu: JPEGs per nvJPEG call. One decode thread takes everything queued (calls from
 # every ingress replica) up to this: torchvision decodes under a process-wide lock anyway,
 # and on an H200 a call of 64 costs 0.12 ms of CPU an image where calls of 8 from four
-# threads cost 0.40 (bench/gpu_decode_bench.py).
-DECODE_BATCH = 128
+# threads cost 0.40 (bench/gpu_decode_bench.py). A call's JPEGs go in pieces of this size,
+# each scored once decoded, so a large call's engine batches start while the rest decodes.
+DECODE_BATCH = 64
+
+
+@dataclass(frozen=True)
+class _Scored:
+    """One group's outputs and where its time went (ms)."""
+
+    owners: np.ndarray
+    outputs: Outputs
+    queue_ms: float
+    inference_ms: float
+    batch_size: int
+    decode_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -182,46 +195,35 @@ class InferenceStage:
                     int(Code.DEADLINE_EXCEEDED), "deadline passed before inference"
                 )
         batch = batch.replace(job_failures=failures)
-        start = time.perf_counter()
+        # Each group is scored as soon as its pixels are there: with decode: gpu, a piece of
+        # JPEGs joins the engine's queue when nvJPEG is done with it, while the next piece
+        # decodes. Groups record refused jobs in `failures`, decode errors in `bad_images`.
+        bad_images = dict(batch.image_failures)
+        groups = [self._score_group(p, o, batch, failures) for p, o in self._rows(batch)]
+        groups += [
+            self._decode_and_score(batch, lo, failures, bad_images)
+            for lo in range(0, len(batch.jpegs), DECODE_BATCH)
+        ]
+        scored = [g for g in await asyncio.gather(*groups) if g is not None]
+        batch = batch.replace(job_failures=failures, image_failures=bad_images)
         if batch.jpegs:
-            batch = await self._decode_jpegs(batch)
-        groups = [self._admit(pixels, owners, failures) for pixels, owners in self._rows(batch)]
-        groups = [(pixels, owners) for pixels, owners in groups if len(owners)]
-        batch = batch.replace(job_failures=failures)
-        if not groups:
-            return batch.replace(owners=NO_OWNERS, timing=batch.timing)
-        results = await asyncio.gather(
-            *(self._score(pixels, batch, owners) for pixels, owners in groups),
-            return_exceptions=True,
-        )
-        owners, outputs, ran = [], [], []
-        failures = dict(batch.job_failures)
-        for (_, group_owners), result in zip(groups, results, strict=True):
-            if isinstance(result, BaseException):  # refused (full queue) or expired
-                if not isinstance(result, Exception):
-                    raise result
-                failure = Failure(int(code_for(result)), message_for(result))
-                for job in set(group_owners[:, 0].tolist()):
-                    failures.setdefault(job, failure)
-                continue
-            owners.append(group_owners)
-            outputs.append(result[0])
-            ran.extend(result[1])
-        batch = batch.replace(job_failures=failures)
-        if not outputs:
+            batch = batch.replace(jpegs=(), jpeg_owners=NO_OWNERS)
+        if not scored:
             return batch.replace(owners=NO_OWNERS)
-        owners = np.concatenate(owners)
-        outputs = Outputs.concat(outputs)
+        owners = np.concatenate([g.owners for g in scored])
+        outputs = Outputs.concat([g.outputs for g in scored])
         keep = np.fromiter((j not in failures for j in owners[:, 0].tolist()), bool, len(owners))
         if not keep.all():
             owners, outputs = owners[keep], outputs.take(keep)
+        if not len(owners):
+            return batch.replace(owners=NO_OWNERS)
         live = [batch.jobs[j] for j in set(owners[:, 0].tolist())]
         top_ids, top_scores = _top_k(outputs.logits, owners, batch.jobs)
         timing = StageTiming(
-            preprocess_ms=batch.timing.preprocess_ms,
-            queue_ms=max((r.started - start) * 1000.0 for r in ran),
-            inference_ms=max(r.inference_ms for r in ran),
-            batch_size=max(r.batch_size for r in ran),
+            preprocess_ms=batch.timing.preprocess_ms + max(g.decode_ms for g in scored),
+            queue_ms=max(g.queue_ms for g in scored),
+            inference_ms=max(g.inference_ms for g in scored),
+            batch_size=max(g.batch_size for g in scored),
         )
         return batch.replace(
             jobs=tuple(job.without_inputs() for job in batch.jobs),
@@ -234,6 +236,31 @@ class InferenceStage:
             ),
             embeddings=outputs.embedding if any(j.embedding for j in live) else None,
             timing=timing,
+        )
+
+    async def _score_group(
+        self, pixels, owners: np.ndarray, batch: Batch, failures: dict[int, Failure]
+    ) -> _Scored | None:
+        """One group's outputs, or None when none of its jobs got in: the queue was full,
+        or the group failed as a whole (a deadline passed while queued); `failures` says
+        which jobs, and why."""
+        pixels, owners = self._admit(pixels, owners, failures)
+        if not len(owners):
+            return None
+        queued = time.perf_counter()
+        try:
+            outputs, ran = await self._score(pixels, batch, owners)
+        except Exception as exc:
+            failure = Failure(int(code_for(exc)), message_for(exc))
+            for job in set(owners[:, 0].tolist()):
+                failures.setdefault(job, failure)
+            return None
+        return _Scored(
+            owners,
+            outputs,
+            queue_ms=max((r.started - queued) * 1000.0 for r in ran),
+            inference_ms=max(r.inference_ms for r in ran),
+            batch_size=max(r.batch_size for r in ran),
         )
 
     def _admit(
@@ -337,40 +364,39 @@ class InferenceStage:
 
     # -- decode: gpu --------------------------------------------------------------------------
 
-    async def _decode_jpegs(self, batch: Batch) -> Batch:
-        """The batch's JPEGs through nvJPEG, in pieces that join other calls' in the decode
-        batcher; their crops join the host crops (on the GPU when the engine is there)."""
-        from engines.gpu_decode import with_host_crops
-
+    async def _decode_and_score(
+        self,
+        batch: Batch,
+        lo: int,
+        failures: dict[int, Failure],
+        bad_images: dict[tuple[int, int], Failure],
+    ) -> _Scored | None:
+        """The batch's JPEGs from `lo` (at most DECODE_BATCH) through nvJPEG, in the decode
+        batcher with other calls' pieces, then scored; an image nvJPEG refuses fails alone."""
         start = time.perf_counter()
-        jpegs = list(batch.jpegs)
-        pieces = await _in_pieces(self._decoding.submit, jpegs, DECODE_BATCH)
-        good, pixels, failures = [], [], dict(batch.image_failures)
-        for offset, (piece, _) in zip(range(0, len(jpegs), DECODE_BATCH), pieces, strict=True):
-            good.extend(offset + i for i in piece.good)
-            pixels.append(piece.pixels)
-            for i, error in piece.errors:
-                job, image = batch.jpeg_owners[offset + i].tolist()
-                failures[job, image] = Failure(int(error.code), str(error))
-        import torch
-
-        decoded = torch.cat(pixels) if len(pixels) > 1 else pixels[0]
-        owners = batch.jpeg_owners[good]
-        host = batch.crops
-        if not (self._crops_on_device and decoded.is_cuda):
-            decoded = decoded.cpu().numpy()
-            crops = decoded if host is None else np.concatenate([host, decoded])
-        else:
-            crops = decoded if host is None else with_host_crops(host, decoded)
-        timing = batch.timing
-        return batch.replace(
-            crops=crops,
-            crop_owners=owners if host is None else np.concatenate([batch.crop_owners, owners]),
-            jpegs=(),
-            jpeg_owners=NO_OWNERS,
-            image_failures=failures,
-            timing=StageTiming(preprocess_ms=timing.preprocess_ms + ms_since(start)),
-        )
+        jpegs = batch.jpegs[lo : lo + DECODE_BATCH]
+        owners = batch.jpeg_owners[lo : lo + DECODE_BATCH]
+        try:
+            decoded, _ = await self._decoding.submit(list(jpegs))
+        except Exception as exc:  # the decoder itself failed: every job of the piece fails
+            failure = Failure(int(code_for(exc)), message_for(exc))
+            for job in set(owners[:, 0].tolist()):
+                failures.setdefault(job, failure)
+            return None
+        decode_ms = ms_since(start)
+        for i, error in decoded.errors:
+            job, image = owners[i].tolist()
+            bad_images[job, image] = Failure(int(error.code), str(error))
+        owners = owners[list(decoded.good)]
+        pixels = decoded.pixels
+        if not (self._crops_on_device and pixels.is_cuda):
+            pixels = pixels.cpu().numpy()
+        live = np.fromiter((j not in failures for j in owners[:, 0].tolist()), bool, len(owners))
+        if not live.all():
+            rows = np.flatnonzero(live)
+            pixels, owners = _take_rows(pixels, rows), owners[rows]
+        scored = await self._score_group(pixels, owners, batch, failures) if len(owners) else None
+        return None if scored is None else replace(scored, decode_ms=decode_ms)
 
     async def _decode_many(self, pieces: list[list[bytes]]) -> list:
         """One nvJPEG call for pieces of several calls, on the decode thread."""
