@@ -118,8 +118,8 @@ def test_serve_direct_gives_the_ingress_inferences_settings() -> None:
     [ingress] = config["applications"][0]["deployments"]  # Inference is hosted by Ingress
     assert app.topology == "direct" and ingress["name"] == "Ingress"
     assert ingress["user_config"]["max_batch_size"] == 64
-    # Inference's 0.15 GPU each, halved: room for the redeploy surge (max_surge_percent 100)
-    assert ingress["ray_actor_options"]["num_gpus"] == 0.075
+    # Inference's 0.075 GPU each, halved: room for the redeploy surge (max_surge_percent 100)
+    assert ingress["ray_actor_options"]["num_gpus"] == 0.0375
     env_vars = config["applications"][0]["runtime_env"]["env_vars"]
     assert env_vars["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
 
