@@ -182,3 +182,32 @@ async def test_a_gpu_decode_replica_decodes_the_jpegs_of_waiting_calls_together(
     assert top[1][0] in COFFEE
     top = top_classes(answers[2])[0]
     assert all(t in CATS for t in top[::2]) and all(t in COFFEE for t in top[1::2])
+
+
+async def test_a_failing_decoder_fails_only_the_requests_it_was_decoding(
+    model_repository, photos, monkeypatch
+) -> None:
+    """nvJPEG itself failing (not one bad JPEG) fails the requests whose JPEGs it held,
+    with one answer each; a request of the same call decoded on the CPU is answered."""
+    from engines import gpu_decode
+
+    decoder = _PilBatchDecoder()
+    construct = gpu_decode.GpuJpegDecoder.__init__
+
+    def on_the_cpu(self, spec, limits, **_):
+        construct(self, spec, limits, device="cpu", decode_batch=decoder)
+
+    monkeypatch.setattr(gpu_decode.GpuJpegDecoder, "__init__", on_the_cpu)
+    group = await StageGroup.create(
+        AppConfig(model_repository=model_repository, decode="gpu"), STAGES
+    )
+
+    def broken(requests):
+        raise OSError("the decoder is gone")
+
+    monkeypatch.setattr(group.model("").inference._gpu_decoder, "crops_many", broken)
+    png = encode(np.asarray(Image.open(io.BytesIO(photos["coffee"]))), "PNG")
+    answers = await group.run(batch_of([photos["chelsea"], png], [png]))
+    assert len(answers) == 2
+    assert answers[0].code == 13 and "the decoder is gone" in answers[0].message  # INTERNAL
+    assert answers[1].code == 0 and top_classes(answers[1:])[0][0] in COFFEE
