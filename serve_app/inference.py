@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,7 @@ from typing import TypeVar
 import numpy as np
 from ray import serve
 
-from engines import Engine, EngineInfo, Outputs, create_engine
+from engines import Engine, EngineInfo, Outputs, create_engine, pick_engine
 from engines import scores as postprocessing
 from engines.repository import ModelRef
 from serve_app.batching import DynamicBatcher
@@ -36,7 +37,9 @@ from serve_app.metrics import InferenceMetrics
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
 
-MAX_CONCURRENT_BATCHES = 2  # GPU engines hold this many slots (engines/cuda_graphs.py)
+# Engine batches at once: GPU engines hold this many slots (engines/cuda_graphs.py), and
+# ONNX Runtime splits the cores between them (engine_options).
+MAX_CONCURRENT_BATCHES = 2
 # decode: gpu: JPEGs per nvJPEG call. One decode thread takes everything queued (calls from
 # every ingress replica) up to this: torchvision decodes under a process-wide lock anyway,
 # and on an H200 a call of 64 costs 0.12 ms of CPU an image where calls of 8 from four
@@ -69,13 +72,26 @@ def ms_since(start: float) -> float:
     return (time.perf_counter() - start) * 1000.0
 
 
+def engine_options(config: AppConfig) -> dict:
+    """The engine's options from the config, and for ONNX Runtime its threads per batch: the
+    host's cores shared by the MAX_CONCURRENT_BATCHES batches it runs at once, unless the
+    config says. On 2 cores, two batches of one thread each served 1.02-1.24x the images/s
+    of one batch on both cores (the chained CPU default, 4 interleaved pairs of runs, with
+    17.9-19.8 against 18.8-22.7 CPU ms an image): threads of one batch wait for each other
+    at every operator, two batches do not."""
+    options = dict(config.engine.options)
+    if pick_engine(config.engine.kind) == "onnxruntime":
+        options.setdefault("threads", max(1, (os.cpu_count() or 1) // MAX_CONCURRENT_BATCHES))
+    return options
+
+
 def _warm_engine(config: AppConfig, model: ModelRef) -> Engine:
     engine = create_engine(
         config.engine.kind,
         model,
         max_batch_size=config.engine.batch_capacity,
         precision=config.engine.precision,
-        **config.engine.options,
+        **engine_options(config),
     )
     engine.warmup()
     return engine
@@ -105,8 +121,6 @@ class InferenceStage:
         # Off the event loop: building and warming a GPU engine can take a minute.
         self._engine = await asyncio.to_thread(_warm_engine, config, model)
         cpu = self._engine.info.device == "cpu"
-        # A CPU engine already uses every core for one batch; a GPU engine overlaps two.
-        self._default_concurrency = 1 if cpu else MAX_CONCURRENT_BATCHES
         self._executor = ThreadPoolExecutor(MAX_CONCURRENT_BATCHES, thread_name_prefix="engine")
         self._batching = BatchingConfig()
         self._refused: str | None = None  # the last user_config refused, and why
@@ -175,7 +189,7 @@ class InferenceStage:
             batcher.max_batch_size = batching.max_batch_size
             batcher.max_delay_s = batching.batch_wait_timeout_s
             batcher.max_queued = batching.max_queued_images
-            batcher.set_concurrency(batching.max_concurrent_batches or self._default_concurrency)
+            batcher.set_concurrency(batching.max_concurrent_batches or MAX_CONCURRENT_BATCHES)
         self._serve_batch.set_max_batch_size(batching.max_batch_size)
         self._serve_batch.set_batch_wait_timeout_s(batching.batch_wait_timeout_s)
         logger.info("batching: %s", batching)

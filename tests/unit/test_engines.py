@@ -80,3 +80,22 @@ def test_engine_kinds_are_one_list() -> None:
     assert get_args(EngineConfig.model_fields["kind"].annotation) == KINDS
     with pytest.raises(EngineError, match="choose one of auto, onnxruntime"):
         create_engine("tensorflow", None)
+
+
+def test_onnx_runtime_splits_the_cores_between_its_two_batches(model_repository) -> None:
+    """Unless the config says, each of ONNX Runtime's two batches at once gets half the
+    host's cores; other engines get their options as written."""
+    import os
+
+    from serve_app.config import AppConfig
+    from serve_app.inference import MAX_CONCURRENT_BATCHES, engine_options
+
+    half = max(1, (os.cpu_count() or 1) // MAX_CONCURRENT_BATCHES)
+    config = AppConfig(model_repository=model_repository, engine={"kind": "onnxruntime"})
+    assert engine_options(config) == {"threads": half}
+    config = AppConfig(
+        model_repository=model_repository, engine={"kind": "onnxruntime", "options": {"threads": 3}}
+    )
+    assert engine_options(config) == {"threads": 3}
+    config = AppConfig(model_repository=model_repository, engine={"kind": "echo"})
+    assert engine_options(config) == {}
