@@ -84,6 +84,9 @@ class Engine(abc.ABC):
     """
 
     info: EngineInfo
+    # Batches worth running at once: GPU engines overlap one batch's copies with another's
+    # compute; ONNX Runtime gives each its share of the cores (serve_app/inference.py).
+    batches_at_once: int = 2
 
     def warmup(self) -> None:
         """Run every shape the engine will see once, so the first request pays nothing."""

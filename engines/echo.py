@@ -16,6 +16,8 @@ from engines.repository import ModelRef
 
 
 class EchoEngine(Engine):
+    batches_at_once = 1  # nothing to overlap: a second batch would only be one more to form
+
     def __init__(self, model: ModelRef, *, max_batch_size: int = 64, delay_ms: float = 0.0) -> None:
         """`delay_ms`: each batch takes this long, like a slow model (deadline and drain tests)."""
         self._delay_s = delay_ms / 1000.0

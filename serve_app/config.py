@@ -204,8 +204,8 @@ class BatchingConfig(_Strict):
     # Serve's @serve.batch (forms batches eagerly; for comparison).
     batcher: Literal["dynamic", "serve"] = "dynamic"
     max_queued_images: int = Field(4096, ge=1)  # past this, requests get RESOURCE_EXHAUSTED
-    # Batches the engine runs at once (batcher: dynamic): default 2 (GPU engines' two slots:
-    # engines/cuda_graphs.py; ONNX Runtime splits the cores between them: inference.py).
+    # Batches the engine runs at once (batcher: dynamic): default the engine's
+    # `batches_at_once` (2; the echo engine 1).
     max_concurrent_batches: int | None = Field(None, ge=1, le=2)
 
 

@@ -37,7 +37,8 @@ from serve_app.metrics import InferenceMetrics
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
 
-# Engine batches at once: GPU engines hold this many slots (engines/cuda_graphs.py), and
+# The most engine batches at once (an engine's `batches_at_once`, or the user_config's
+# max_concurrent_batches): GPU engines hold this many slots (engines/cuda_graphs.py), and
 # ONNX Runtime splits the cores between them (engine_options).
 MAX_CONCURRENT_BATCHES = 2
 # decode: gpu: JPEGs per nvJPEG call. One decode thread takes everything queued (calls from
@@ -189,7 +190,7 @@ class InferenceStage:
             batcher.max_batch_size = batching.max_batch_size
             batcher.max_delay_s = batching.batch_wait_timeout_s
             batcher.max_queued = batching.max_queued_images
-            batcher.set_concurrency(batching.max_concurrent_batches or MAX_CONCURRENT_BATCHES)
+            batcher.set_concurrency(batching.max_concurrent_batches or self._engine.batches_at_once)
         self._serve_batch.set_max_batch_size(batching.max_batch_size)
         self._serve_batch.set_batch_wait_timeout_s(batching.batch_wait_timeout_s)
         logger.info("batching: %s", batching)
