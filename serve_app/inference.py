@@ -227,7 +227,7 @@ class InferenceStage:
             return batch.replace(owners=NO_OWNERS)
         owners = np.concatenate([g.owners for g in scored])
         outputs = Outputs.concat([g.outputs for g in scored])
-        keep = np.fromiter((j not in failures for j in owners[:, 0].tolist()), bool, len(owners))
+        keep = _live(owners, failures)
         if not keep.all():
             owners, outputs = owners[keep], outputs.take(keep)
         if not len(owners):
@@ -266,9 +266,7 @@ class InferenceStage:
         try:
             outputs, ran = await self._score(pixels, batch, owners)
         except Exception as exc:
-            failure = Failure(int(code_for(exc)), message_for(exc))
-            for job in set(owners[:, 0].tolist()):
-                failures.setdefault(job, failure)
+            _fail_jobs(failures, owners, exc)
             return None
         return _Scored(
             owners,
@@ -306,16 +304,9 @@ class InferenceStage:
         groups = []
         failures = batch.job_failures
         if batch.crops is not None and len(batch.crop_owners):
-            live = np.fromiter(
-                (j not in failures for j in batch.crop_owners[:, 0].tolist()),
-                bool,
-                len(batch.crop_owners),
-            )
-            if live.all():
-                groups.append((batch.crops, batch.crop_owners))
-            elif live.any():
-                rows = np.flatnonzero(live)
-                groups.append((_take_rows(batch.crops, rows), batch.crop_owners[rows]))
+            pixels, owners = _live_rows(batch.crops, batch.crop_owners, failures)
+            if len(owners):
+                groups.append((pixels, owners))
         for index, job in enumerate(batch.jobs):
             if job.pixels is not None and index not in failures:
                 owners = np.stack(
@@ -394,9 +385,7 @@ class InferenceStage:
         try:
             decoded, _ = await self._decoding.submit(list(jpegs))
         except Exception as exc:  # the decoder itself failed: every job of the piece fails
-            failure = Failure(int(code_for(exc)), message_for(exc))
-            for job in set(owners[:, 0].tolist()):
-                failures.setdefault(job, failure)
+            _fail_jobs(failures, owners, exc)
             return None
         decode_ms = ms_since(start)
         for i, error in decoded.errors:
@@ -406,10 +395,7 @@ class InferenceStage:
         pixels = decoded.pixels
         if not (self._crops_on_device and pixels.is_cuda):
             pixels = pixels.cpu().numpy()
-        live = np.fromiter((j not in failures for j in owners[:, 0].tolist()), bool, len(owners))
-        if not live.all():
-            rows = np.flatnonzero(live)
-            pixels, owners = _take_rows(pixels, rows), owners[rows]
+        pixels, owners = _live_rows(pixels, owners, failures)
         scored = await self._score_group(pixels, owners, batch, failures) if len(owners) else None
         return None if scored is None else replace(scored, decode_ms=decode_ms)
 
@@ -452,6 +438,27 @@ def _top_k(
     top_scores = np.zeros((len(logits), k), scores.dtype)
     top_ids[wanted], top_scores[wanted] = ids, scores
     return top_ids, top_scores
+
+
+def _live(owners: np.ndarray, failures) -> np.ndarray:
+    """Which rows belong to jobs that have not failed (a boolean mask)."""
+    return np.fromiter((j not in failures for j in owners[:, 0].tolist()), bool, len(owners))
+
+
+def _live_rows(pixels, owners: np.ndarray, failures) -> tuple[object, np.ndarray]:
+    """The rows of `pixels` and `owners` whose jobs have not failed."""
+    live = _live(owners, failures)
+    if live.all():
+        return pixels, owners
+    rows = np.flatnonzero(live)
+    return _take_rows(pixels, rows), owners[rows]
+
+
+def _fail_jobs(failures: dict[int, Failure], owners: np.ndarray, exc: Exception) -> None:
+    """Every job with rows in `owners` fails with `exc`, unless it failed already."""
+    failure = Failure(int(code_for(exc)), message_for(exc))
+    for job in set(owners[:, 0].tolist()):
+        failures.setdefault(job, failure)
 
 
 def _take_rows(pixels, rows: np.ndarray):
