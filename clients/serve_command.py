@@ -54,10 +54,14 @@ def _serve_config(path: Path, overrides: dict) -> tuple[dict, object]:
 
         made = {"Ingress", "Inference", *deployment_names(args["topology"])}
         deployments = [d for d in deployments if d.get("name") in made]
+    env_vars = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
+    from serve_app.topology import BY_VALUE_ENV
+
+    for name, value in BY_VALUE_ENV.items():  # a value the config sets wins
+        env_vars.setdefault(name, value)
     if args.get("topology") == "direct":
         from serve_app.app import DIRECT_REPLICA_ENV
 
-        env_vars = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
         for name, value in DIRECT_REPLICA_ENV.items():
             env_vars.setdefault(name, value)
         # The ingress replicas host the model: they take Inference's batching and GPUs.

@@ -18,7 +18,7 @@ from serve_app.config import AppConfig, BatchingConfig, Group, deployment_name, 
 from serve_app.ingress import Ingress
 from serve_app.messages import Answer, Batch, Served
 from serve_app.registry import ModelRegistry, RayStore
-from serve_app.topology import StageGroup, initial_versions
+from serve_app.topology import StageGroup, StageHandle, initial_versions
 
 # Topology direct: the replica runs raystream on Serve's own event loop, not on a second
 # loop in a second thread (Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED does the same): the
@@ -56,14 +56,14 @@ class Stages:
             deployment_name(stages),
             context.replica_id.unique_id,
         )
-        self._next = next
+        self._next = None if next is None else StageHandle(next)
         self.batching = self._group.batching
         self.images_inferred = self._group.images_inferred
         self.memory_bytes = self._group.memory_bytes
 
     async def run(self, batch: Batch) -> Batch | list[Answer]:
         batch = await self._group.run(batch)
-        return batch if self._next is None else await self._next.run.remote(batch)
+        return batch if self._next is None else await self._next.run(batch)
 
     async def info(self, key: str = "") -> Served:
         """What is served: a model version ("name/version"; empty: the default model) and

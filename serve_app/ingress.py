@@ -60,6 +60,7 @@ class Ingress:
         registry = ModelRegistry(RayStore(), self._config.instance)
         if stages:
             chain = StageChain(list(stages))
+            logger.info("stage calls from the ingress: %s", chain.transport)
             info, run = chain.info, chain.run
             stage_deployments = deployment_names(self._config.topology)
         else:

@@ -122,6 +122,14 @@ class Batch:
     def replace(self, **changes: Any) -> Batch:
         return dataclasses.replace(self, **changes)
 
+    def nbytes(self) -> int:
+        """About what this batch weighs in a message: its images, tensors and results."""
+        total = sum(len(image) for job in self.jobs for image in job.images)
+        total += sum(job.pixels.nbytes for job in self.jobs if job.pixels is not None)
+        total += sum(len(jpeg) for jpeg in self.jpegs)
+        arrays = (self.crops, self.top_ids, self.top_scores, self.probabilities, self.embeddings)
+        return total + sum(array.nbytes for array in arrays if array is not None)
+
     def live_jobs(self) -> list[int]:
         return [i for i in range(len(self.jobs)) if i not in self.job_failures]
 

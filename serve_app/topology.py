@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from engines.repository import ModelRef, ModelSpec, PreprocessSpec, resolve, select_versions
 from serve_app.config import AppConfig, Group
@@ -38,30 +38,80 @@ from serve_app.registry import POLL_S, ModelRegistry, key_of, split_key
 logger = logging.getLogger(__name__)
 
 
+# Serve's gRPC transport between replicas (`_by_reference=False`): a call's argument and
+# result travel in the call itself, not through Ray's object store and a streamed reply.
+# Measured on one H200 (bench/scenarios/gpu-transport.yaml), against the object store for
+# every call: one-image requests 1.16x the images/s, p50 at 5,000 img/s 35 against 46 ms; but
+# calls of 10-20 MB (32 requests of 8 photos) 0.63-0.77x. So a batch goes by value only up to
+# BY_VALUE_MAX_BYTES; a call's answers must fit the limit on messages,
+# RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH (4 MiB unless set), on both ends: calls go by value
+# only where it is raised to BY_VALUE_MIN_LIMIT. The shipped configs set 1 GiB in the
+# application's runtime_env (every replica has it), and `raystream serve` sets it for any config
+# that does not.
+MESSAGE_LIMIT_ENV = "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"
+BY_VALUE_MIN_LIMIT = 256 << 20
+BY_VALUE_ENV = {MESSAGE_LIMIT_ENV: str(1 << 30)}
+BY_VALUE_MAX_BYTES = 4 << 20
+
+
+def message_limit() -> int:
+    return int(os.environ.get(MESSAGE_LIMIT_ENV, 4 << 20))
+
+
+class StageHandle:
+    """Calls to one stage deployment with the batch in hand: by value when it is small and
+    the message limit allows (above), else by reference."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        by_value = message_limit() >= BY_VALUE_MIN_LIMIT
+        self._by_reference = handle
+        self._by_value = handle.options(_by_reference=False) if by_value else None
+
+    @property
+    def transport(self) -> str:
+        if self._by_value is None:
+            return f"Ray's object store ({MESSAGE_LIMIT_ENV} under {BY_VALUE_MIN_LIMIT >> 20} MiB)"
+        return f"by value over Serve's gRPC transport up to {BY_VALUE_MAX_BYTES >> 20} MiB a batch"
+
+    def handle_for(self, batch: Batch) -> DeploymentHandle:
+        if self._by_value is not None and batch.nbytes() <= BY_VALUE_MAX_BYTES:
+            return self._by_value
+        return self._by_reference
+
+    def run(self, batch: Batch) -> DeploymentResponse:
+        return self.handle_for(batch).run.remote(batch)
+
+
 class StageChain:
     """The calls of one micro-batch through the stage deployments. Up to the group holding
     inference, the ingress makes them: each call takes the previous one's response as its
     argument, so Serve routes it once that result is ready and the replica fetches it
     straight from the one that made it (the images and crops, the large part, never pass
-    back through the ingress). The group holding inference calls the groups after it
-    itself and returns their answers: its results are small, Ray returns small results to
-    the caller, and passed through the ingress between two calls they cost one connection,
-    whose requests all share one ingress replica, 28% of its images/s (H200,
-    docs/performance.md).
-
-    Through Ray's object store. (Serve's gRPC transport, `_by_reference=False`, cost its
-    caller a third of the CPU per call on a 2-core CPU machine, but answers past its 4 MiB
-    message limit failed whole calls, and a soak grew the ingress by 100 MB: not used until
-    both are solved.)"""
+    back through the ingress); such a chain goes through Ray's object store. The group
+    holding inference calls the groups after it itself and returns their answers: its
+    results are small, Ray returns small results to the caller, and passed through the
+    ingress between two calls they cost one connection, whose requests all share one
+    ingress replica, 28% of its images/s (H200, docs/performance.md). A chain of one call
+    (the group holding inference holds preprocess too) goes by value where it fits
+    (StageHandle)."""
 
     def __init__(self, handles: list[DeploymentHandle]) -> None:
         self._handles = handles  # the last one holds inference
+        self._single = StageHandle(handles[0]) if len(handles) == 1 else None
 
     async def run(self, batch: Batch) -> list[Answer]:
+        if self._single is not None:
+            return await self._single.run(batch)
         response = batch
         for handle in self._handles:
             response = handle.run.remote(response)
         return await response
+
+    @property
+    def transport(self) -> str:
+        if self._single is None:
+            return "Ray's object store (a chain of several calls)"
+        return self._single.transport
 
     async def info(self, key: str = "") -> Served:
         return await self._handles[-1].info.remote(key)

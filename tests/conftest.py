@@ -200,11 +200,14 @@ def check_engine_parity(
 def ray_cluster():
     import ray
 
+    from serve_app.topology import BY_VALUE_ENV
+
     ray.init(
         num_cpus=4,  # logical: the plain and the secured test apps fit side by side
         include_dashboard=False,
         log_to_driver=False,
-        runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}},
+        # as the shipped configs: stage calls by value (serve_app/topology.py StageHandle)
+        runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", **BY_VALUE_ENV}},
         _metrics_export_port=free_port(),
         _system_config={"metrics_report_interval_ms": 1000},  # metrics tests poll briefly
     )

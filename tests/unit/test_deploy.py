@@ -250,3 +250,21 @@ def test_the_ingress_calls_the_groups_up_to_inference_and_inference_calls_the_re
 
     app = build_app({"model_repository": str(ROOT / "models"), "topology": topology})
     assert _calls(app) == calls
+
+
+@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
+def test_stage_calls_go_by_value_under_serve_deploy_and_raystream_serve(path: Path) -> None:
+    """The configs with stage deployments raise the replicas' message limit themselves (for
+    `serve deploy`), and `raystream serve` raises it for any config that does not."""
+    import yaml
+
+    from clients.serve_command import _serve_config
+    from serve_app.topology import BY_VALUE_ENV, MESSAGE_LIMIT_ENV
+
+    app = yaml.safe_load(path.read_text())["applications"][0]
+    if app["args"].get("topology") != "direct":
+        assert app["runtime_env"]["env_vars"] == BY_VALUE_ENV
+    if path in HOST_CONFIGS:
+        config, _ = _serve_config(path, {})
+        env_vars = config["applications"][0]["runtime_env"]["env_vars"]
+        assert env_vars[MESSAGE_LIMIT_ENV] == BY_VALUE_ENV[MESSAGE_LIMIT_ENV]
