@@ -212,7 +212,7 @@ class _Requests:
 
 # The server's own account of a request (its answer's `timing`), averaged over the answers
 # in the window: where the time of a request goes inside the server.
-TIMING = ("total", "queue", "preprocess", "inference", "postprocess")
+TIMING = ("total", "dispatch", "queue", "preprocess", "inference", "postprocess")
 
 
 class _Stats:

@@ -3,8 +3,9 @@ bytes, so the ingress only writes them: raystream.v1 `ClassifyResponse` or the O
 Protocol's `ModelInferResponse`. Also the answers the ingress makes itself (refusals,
 failures of a whole call).
 
-The ingress adds the end-to-end time by appending a serialized `ClassifyResponse` holding only
-`timing.total_ms`: protobuf merges concatenated messages field by field (`with_total_ms`).
+The ingress adds its own times (end to end, and the wait for a call) by appending a serialized
+`ClassifyResponse` holding only `timing.total_ms` and `timing.dispatch_ms`: protobuf merges
+concatenated messages field by field (`with_ingress_times`).
 
 An answer is built from its images' fragments (messages.Fragment), so the ingress' result
 cache (serve_app/result_cache.py) builds an answer from fragments it kept with the same
@@ -41,9 +42,11 @@ def failed(job: Job, failure: Failure, timing: StageTiming | None = None) -> Ans
     return Answer(response.SerializeToString(), failure.code, message=failure.message)
 
 
-def with_total_ms(payload: bytes, total_ms: float) -> bytes:
-    """A v1 response's bytes with timing.total_ms set (merged in, not re-encoded)."""
-    return payload + pb.ClassifyResponse(timing=pb.Timing(total_ms=total_ms)).SerializeToString()
+def with_ingress_times(payload: bytes, total_ms: float, dispatch_ms: float) -> bytes:
+    """A v1 response's bytes with timing.total_ms and dispatch_ms set (merged in, not
+    re-encoded)."""
+    timing = pb.Timing(total_ms=total_ms, dispatch_ms=dispatch_ms)
+    return payload + pb.ClassifyResponse(timing=timing).SerializeToString()
 
 
 def answer_all(batch: Batch, spec: ModelSpec) -> list[Answer]:

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from engines.scores import DEFAULT_TOP_K
-from serve_app.answers import failed, with_total_ms
+from serve_app.answers import failed, with_ingress_times
 from serve_app.config import AppConfig
 from serve_app.dispatch import Dispatcher
 from serve_app.errors import (
@@ -59,6 +59,7 @@ class _Pending:
     reply: Callable[[Answer], None] | None
     stream: str
     started: float
+    sent: float = 0.0  # when a call to the stages first carried it
     done: bool = False
     timer: asyncio.TimerHandle | None = None
     cached: object = None  # under the result cache: its state there, until answered
@@ -262,6 +263,10 @@ class ServingCore:
         requests that are still waiting: Serve routes it to another replica, or holds it
         until the replacement is up. The stages have no side effects, so running a request
         twice is harmless; a second loss answers UNAVAILABLE (clients send those again)."""
+        sent = time.perf_counter()
+        for item in items:
+            pending = item.request.pending if isinstance(item, Part) else item
+            pending.sent = pending.sent or sent
         for attempt in range(1 + STAGE_RETRIES):
             items = [item for item in items if not item.done]  # a deadline answered some
             if not items:
@@ -312,9 +317,11 @@ class ServingCore:
             pending.timer.cancel()
         self._done(pending.job)
         total_ms = (time.perf_counter() - pending.started) * 1000.0
+        dispatch_ms = (pending.sent - pending.started) * 1000.0 if pending.sent else 0.0
         if pending.job.protocol == "v1":
-            answer = dataclasses.replace(answer, payload=with_total_ms(answer.payload, total_ms))
-        self._record(pending.job, answer, total_ms, pending.stream)
+            payload = with_ingress_times(answer.payload, total_ms, dispatch_ms)
+            answer = dataclasses.replace(answer, payload=payload)
+        self._record(pending.job, answer, total_ms, pending.stream, dispatch_ms)
         pending.reply(answer)
         # Streams keep their pending handles until they end (to abandon what is left): a
         # finished one must not keep its request's images alive.
@@ -323,7 +330,9 @@ class ServingCore:
 
     # -- metrics and logs -----------------------------------------------------------------------
 
-    def _record(self, job: Job, answer: Answer, total_ms: float, stream: str) -> None:
+    def _record(
+        self, job: Job, answer: Answer, total_ms: float, stream: str, dispatch_ms: float = 0.0
+    ) -> None:
         failed_images = sum(count for code, count in answer.image_codes if code)
         image_codes = collections.Counter()
         for code, count in answer.image_codes:
@@ -335,6 +344,7 @@ class ServingCore:
             image_codes=image_codes,
             total_ms=total_ms,
             stage_ms={
+                "dispatch": dispatch_ms,
                 "queue": t.queue_ms,
                 "preprocess": t.preprocess_ms,
                 "compute": t.inference_ms,

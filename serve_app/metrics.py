@@ -4,7 +4,8 @@ Ray prefixes every name with `ray_`). Named and labelled after Triton's `nv_infe
     raystream_inference_request_total{code}    requests answered, by gRPC status code name
     raystream_inference_image_total{code}      images answered, by status code name
     raystream_request_duration_ms              end to end in the ingress (histogram)
-    raystream_stage_duration_ms_total{stage}   ms in queue/preprocess/compute/postprocess,
+    raystream_stage_duration_ms_total{stage}   ms in dispatch (waiting in the ingress for a
+                                               call)/queue/preprocess/compute/postprocess,
                                                summed over requests answered OK (Triton's
                                                nv_inference_*_duration_us counters)
     raystream_batch_size                       images per engine batch (histogram)

@@ -85,6 +85,9 @@ async def test_requests_queued_behind_a_call_go_together_in_the_next(core, photo
     junk, rocket = answers[2].results
     assert junk.error.code == INVALID_ARGUMENT and len(rocket.labels) == 2
     assert answers[0].timing.total_ms > 0 and answers[1].timing.batch_size == 3
+    # The queued ones waited in the ingress while the first call held the only call slot
+    first_timing, queued_timing = answers[0].timing, answers[1].timing
+    assert first_timing.dispatch_ms < queued_timing.dispatch_ms <= queued_timing.total_ms
     assert core.requests_in_flight == 0
 
 

@@ -89,20 +89,22 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_ms", "preprocess_ms", "inference_ms", "postprocess_ms", "total_ms", "batch_size")
+    __slots__ = ("queue_ms", "preprocess_ms", "inference_ms", "postprocess_ms", "total_ms", "batch_size", "dispatch_ms")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREPROCESS_MS_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_MS_FIELD_NUMBER: _ClassVar[int]
     POSTPROCESS_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DISPATCH_MS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     preprocess_ms: float
     inference_ms: float
     postprocess_ms: float
     total_ms: float
     batch_size: int
-    def __init__(self, queue_ms: _Optional[float] = ..., preprocess_ms: _Optional[float] = ..., inference_ms: _Optional[float] = ..., postprocess_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    dispatch_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., preprocess_ms: _Optional[float] = ..., inference_ms: _Optional[float] = ..., postprocess_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., dispatch_ms: _Optional[float] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ("model",)
