@@ -37,7 +37,7 @@ class ConfigError(Exception):
 def _serve_config(path: Path, overrides: dict) -> tuple[dict, object]:
     import yaml
 
-    from serve_app.config import AppConfig
+    from serve_app.config import BY_VALUE_ENV, AppConfig
 
     if not path.is_file():
         raise ConfigError(f"Serve config {path} not found")
@@ -55,8 +55,6 @@ def _serve_config(path: Path, overrides: dict) -> tuple[dict, object]:
         made = {"Ingress", "Inference", *deployment_names(args["topology"])}
         deployments = [d for d in deployments if d.get("name") in made]
     env_vars = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
-    from serve_app.topology import BY_VALUE_ENV
-
     for name, value in BY_VALUE_ENV.items():  # a value the config sets wins
         env_vars.setdefault(name, value)
     if args.get("topology") == "direct":

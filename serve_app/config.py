@@ -14,6 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from engines import EngineKind
 
 STAGES = ("preprocess", "inference", "postprocess")
+# Serve's limit on the messages of its gRPC transport between replicas, raised so that stage
+# calls can go by value (serve_app/topology.py, StageHandle): the shipped configs and
+# `raystream serve` set BY_VALUE_ENV in the application's runtime_env.
+MESSAGE_LIMIT_ENV = "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"
+BY_VALUE_ENV = {MESSAGE_LIMIT_ENV: str(1 << 30)}
 Stage = Literal["preprocess", "inference", "postprocess"]
 
 

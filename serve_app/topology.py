@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from engines.repository import ModelRef, ModelSpec, PreprocessSpec, resolve, select_versions
-from serve_app.config import AppConfig, Group
+from serve_app.config import MESSAGE_LIMIT_ENV, AppConfig, Group
 from serve_app.errors import ModelNotFound, clip
 from serve_app.inference import InferenceStage
 from serve_app.messages import Answer, Batch, Served
@@ -47,10 +47,8 @@ logger = logging.getLogger(__name__)
 # RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH (4 MiB unless set), on both ends: calls go by value
 # only where it is raised to BY_VALUE_MIN_LIMIT. The shipped configs set 1 GiB in the
 # application's runtime_env (every replica has it), and `raystream serve` sets it for any config
-# that does not.
-MESSAGE_LIMIT_ENV = "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"
+# that does not (serve_app/config.py, BY_VALUE_ENV).
 BY_VALUE_MIN_LIMIT = 256 << 20
-BY_VALUE_ENV = {MESSAGE_LIMIT_ENV: str(1 << 30)}
 BY_VALUE_MAX_BYTES = 4 << 20
 
 

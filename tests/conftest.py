@@ -200,7 +200,7 @@ def check_engine_parity(
 def ray_cluster():
     import ray
 
-    from serve_app.topology import BY_VALUE_ENV
+    from serve_app.config import BY_VALUE_ENV
 
     ray.init(
         num_cpus=4,  # logical: the plain and the secured test apps fit side by side

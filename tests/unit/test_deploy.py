@@ -259,7 +259,7 @@ def test_stage_calls_go_by_value_under_serve_deploy_and_raystream_serve(path: Pa
     import yaml
 
     from clients.serve_command import _serve_config
-    from serve_app.topology import BY_VALUE_ENV, MESSAGE_LIMIT_ENV
+    from serve_app.config import BY_VALUE_ENV, MESSAGE_LIMIT_ENV
 
     app = yaml.safe_load(path.read_text())["applications"][0]
     if app["args"].get("topology") != "direct":

@@ -109,7 +109,7 @@ def test_the_benchmark_loader_averages_the_servers_timing_of_ok_answers() -> Non
     assert report["server_timing_ms"]["total"] == 40.0
     assert report["server_timing_ms"]["queue"] == 15.0
     assert report["server_timing_ms"]["inference"] == 0.0
-    assert "server's mean ms: total 40.0, queue 15.0" in load.summary(report)
+    assert "server's mean ms: total 40.0, dispatch 0.0, queue 15.0" in load.summary(report)
 
 
 def test_the_benchmark_loader_repeats_images_at_its_fraction(photos, model) -> None:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from serve_app.config import MESSAGE_LIMIT_ENV
 from serve_app.messages import Batch, Job
-from serve_app.topology import BY_VALUE_MAX_BYTES, MESSAGE_LIMIT_ENV, StageChain, StageHandle
+from serve_app.topology import BY_VALUE_MAX_BYTES, StageChain, StageHandle
 
 
 class FakeHandle:
