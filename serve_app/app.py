@@ -16,6 +16,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig, BatchingConfig, Group, deployment_name, groups
 from serve_app.ingress import Ingress
+from serve_app.logs import to_serve_log
 from serve_app.messages import Answer, Batch, Served
 from serve_app.registry import ModelRegistry, RayStore
 from serve_app.topology import StageGroup, StageHandle, initial_versions
@@ -47,6 +48,7 @@ class Stages:
     StageChain); that group passes its result on to the group after it (`next`) itself."""
 
     async def __init__(self, config: dict, stages: Group, next: DeploymentHandle | None) -> None:
+        to_serve_log()
         config = AppConfig.model_validate(config)
         context = serve.get_replica_context()
         self._group = await StageGroup.create(

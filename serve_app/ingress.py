@@ -26,6 +26,7 @@ from serve_app import v1
 from serve_app.config import STAGES, AppConfig, deployment_names
 from serve_app.core import ServingCore
 from serve_app.lifecycle import ModelLifecycle
+from serve_app.logs import to_serve_log
 from serve_app.messages import Served
 from serve_app.metrics import resident_memory_bytes
 from serve_app.oip import OpenInferenceService
@@ -53,6 +54,7 @@ class Ingress:
     Inference deployment takes otherwise."""
 
     async def __init__(self, config: dict, *stages: DeploymentHandle) -> None:
+        to_serve_log()
         self._server: grpc.aio.Server | None = None
         self._config = AppConfig.model_validate(config)
         self._local: StageGroup | None = None

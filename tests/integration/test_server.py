@@ -6,6 +6,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -442,6 +443,27 @@ async def test_failed_requests_are_logged_as_json_with_request_and_stream_ids(se
     record = json.loads(lines[-1][lines[-1].index("{") :])
     assert record["event"] == "raystream.request" and record["failed_images"] == 1
     assert record["stream"] != "unary" and record["images"] == 2 and record["code"] == "OK"
+
+
+async def test_raystreams_own_log_lines_reach_the_replicas_serve_logs(server) -> None:
+    """The replica holding inference says which model versions it loaded, in its Serve log
+    file (serve_app/logs.py), in every topology."""
+    import glob
+
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
+    for _ in range(200):
+        lines = [
+            line
+            for path in glob.glob(str(logs / "replica_raystream_*.log"))
+            for line in Path(path).read_text().splitlines()
+            if re.search(r"model efficientnet-lite0/\d+ loaded", line)
+        ]
+        if lines:
+            break
+        await asyncio.sleep(0.1)
+    assert lines, f"no 'model ... loaded' line under {logs}"
 
 
 async def test_direct_topology_takes_the_batching_user_config(
