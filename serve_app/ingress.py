@@ -130,7 +130,7 @@ class Ingress:
         for service_name in ("", *SERVICE_NAMES):
             await self._health.set(service_name, health_pb2.HealthCheckResponse.SERVING)
         logger.info(
-            "raystream ready: gRPC on %s:%d serving %s/%s on %s (%s)",
+            "ingress replica listening: gRPC on %s:%d, serving %s/%s on %s (%s)",
             self._config.host,
             self._port,
             model.name,
