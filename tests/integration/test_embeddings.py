@@ -98,7 +98,7 @@ async def test_an_altered_copy_is_nearest_its_original(server, test_set) -> None
 
 async def test_a_bad_image_fails_alone_in_an_embedding_request(server, photos) -> None:
     chelsea = photos["chelsea"]
-    images = [chelsea, chelsea[: len(chelsea) // 3], os.urandom(2048), photos["coffee"]]
+    images = [chelsea, chelsea[: len(chelsea) // 3], b"junk" + os.urandom(2044), photos["coffee"]]
     embedding_only = [pb.EMBEDDING]
     responses = await _stream(
         server,

@@ -67,7 +67,13 @@ async def test_bad_images_fail_alone_and_the_stream_goes_on(server, photos) -> N
     requests = [
         pb.ClassifyRequest(
             request_id="mixed",
-            images=[chelsea, chelsea[: len(chelsea) // 3], os.urandom(4096), b"", photos["coffee"]],
+            images=[
+                chelsea,
+                chelsea[: len(chelsea) // 3],
+                b"junk" + os.urandom(4092),
+                b"",
+                photos["coffee"],
+            ],
         ),
         pb.ClassifyRequest(request_id="after", images=[chelsea]),
     ]
