@@ -188,6 +188,21 @@ class ServerProcesses:
                 found.setdefault(name, pid)
         return found
 
+    def settle(self, most_s: float, quiet_cores: float = 2.0, step_s: float = 3.0) -> float:
+        """Waits until the server's processes use under `quiet_cores` over `step_s` (the GPU
+        replicas capture and compile their smaller buckets after ready, on many cores), at
+        most `most_s` in all; returns the seconds waited."""
+        start = time.time()
+        before = self.scan()
+        while time.time() - start + step_s <= most_s:
+            time.sleep(step_s)
+            now = self.scan()
+            spent = sum(ticks - before.get(key, (0, ""))[0] for key, (ticks, _) in now.items())
+            if spent / TICK < quiet_cores * step_s:
+                break
+            before = now
+        return time.time() - start
+
     def measure(self, start: float, end: float, stop: threading.Event) -> dict:
         """Sleeps until `start`, samples until `end`; the CPU seconds spent in between."""
         time.sleep(max(start - time.time(), 0))
@@ -647,7 +662,9 @@ def run_server(scenario: str, server: dict, loads: list[dict], port: int, args) 
                     (out / "ready.txt").write_text(f"{ready_after:.1f}\n{ready}\n{spans}\n")
                     # The GPU engines capture their smaller buckets in the background once
                     # ready (engines/cuda_graphs.py): loads measure the settled server.
-                    time.sleep(float(server.get("settle_s", 0)))
+                    if server.get("settle_s"):
+                        settled = tree.settle(float(server["settle_s"]))
+                        print(f"{scenario}/{name}: settled after {settled:.0f} s", flush=True)
                     for load_def in remote:
                         target, path = f"127.0.0.1:{port}", out / f"{load_def['name']}.json"
                         report = run_grpc_load(load_def, target, tree, path, args.profile)

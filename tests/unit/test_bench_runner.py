@@ -1,5 +1,5 @@
 """The benchmark runner's reading of the Serve controller's log and of `nvidia-smi dmon`
-(bench/run.py)."""
+(bench/run.py), and its wait for a quiet server."""
 
 from __future__ import annotations
 
@@ -57,3 +57,24 @@ def test_gpu_busy_is_each_column_averaged_over_its_rows() -> None:
 def test_no_dmon_rows_means_no_gpu_figures() -> None:
     assert run.parse_dmon("") == {}
     assert run.parse_dmon("Failed to initialize NVML: Driver/library version mismatch\n") == {}
+
+
+def _burn(seconds: float) -> None:
+    end = time.time() + seconds
+    while time.time() < end:
+        pass
+
+
+def test_settle_waits_while_the_server_is_busy_and_not_once_it_idles() -> None:
+    import multiprocessing
+    import os
+
+    tree = run.ServerProcesses(os.getpid())  # this process and its children stand in
+    busy = multiprocessing.get_context("spawn").Process(target=_burn, args=(4.0,))
+    busy.start()
+    try:
+        waited = tree.settle(30.0, quiet_cores=0.5, step_s=1.0)
+    finally:
+        busy.join()
+    assert 3.0 <= waited < 30.0  # past the burn, not to the limit
+    assert tree.settle(30.0, quiet_cores=0.5, step_s=1.0) < 5.0
