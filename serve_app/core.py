@@ -123,6 +123,7 @@ class ServingCore:
                 lambda items: self._call(key, items),
                 max_per_call=self._config.requests_per_call,
                 max_calls=self._config.max_calls_in_flight,
+                gather_s=self._config.max_call_wait_s,
             )
         return self._dispatchers[key]
 

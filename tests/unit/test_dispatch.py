@@ -80,3 +80,56 @@ async def test_answered_items_are_not_sent() -> None:
     await _until(lambda: len(calls.sent) == 2)
     calls.gates[1].set()
     assert calls.sent == [["a"], ["b"]]
+
+
+async def _burst_after_a_call(dispatcher, monkeypatch) -> None:
+    """One call in flight, then a window long enough to measure the arrivals' rate (one
+    arrival in 60 ms: about 17 a second)."""
+    import serve_app.dispatch
+
+    monkeypatch.setattr(serve_app.dispatch, "RATE_WINDOW_S", 0.05)
+    dispatcher.submit(Item("a"))
+    await asyncio.sleep(0.06)
+
+
+async def test_a_free_slot_gathers_while_calls_run_and_requests_come_fast(monkeypatch) -> None:
+    from serve_app.dispatch import Dispatcher
+
+    calls = Calls()
+    dispatcher = Dispatcher(calls, max_per_call=8, max_calls=2, gather_s=0.2, spill_after_s=60)
+    await _burst_after_a_call(dispatcher, monkeypatch)
+    dispatcher.submit(Item("b"))  # a slot is free, but 17/s x 0.2 s: more are expected
+    dispatcher.submit(Item("c"))
+    await asyncio.sleep(0.02)
+    assert calls.sent == [["a"]]
+    await _until(lambda: len(calls.sent) == 2)
+    assert calls.sent == [["a"], ["b", "c"]]
+    for gate in calls.gates:
+        gate.set()
+
+
+async def test_a_lone_request_goes_at_once_when_requests_come_slowly(monkeypatch) -> None:
+    from serve_app.dispatch import Dispatcher
+
+    calls = Calls()
+    dispatcher = Dispatcher(calls, max_per_call=8, max_calls=2, gather_s=0.01, spill_after_s=60)
+    await _burst_after_a_call(dispatcher, monkeypatch)
+    dispatcher.submit(Item("b"))  # 17/s x 0.01 s: nothing more expected meanwhile
+    await _until(lambda: len(calls.sent) == 2)
+    assert calls.sent == [["a"], ["b"]]
+    for gate in calls.gates:
+        gate.set()
+
+
+async def test_a_full_call_goes_at_once_while_gathering(monkeypatch) -> None:
+    from serve_app.dispatch import Dispatcher
+
+    calls = Calls()
+    dispatcher = Dispatcher(calls, max_per_call=2, max_calls=2, gather_s=10, spill_after_s=60)
+    await _burst_after_a_call(dispatcher, monkeypatch)
+    dispatcher.submit(Item("b"))
+    dispatcher.submit(Item("c"))  # max_per_call reached: no reason to wait
+    await _until(lambda: len(calls.sent) == 2)
+    assert calls.sent == [["a"], ["b", "c"]]
+    for gate in calls.gates:
+        gate.set()
