@@ -148,7 +148,7 @@ class AppConfig(_Strict):
     # in the next call (micro-batching, serve_app/dispatch.py).
     requests_per_call: int = Field(64, ge=1)
     max_calls_in_flight: int = Field(4, ge=1)
-    # While other calls are in flight and more than one request arrives in this long (at
+    # While other calls are in flight and at least one request arrives in this long (at
     # the last 0.1 s's rate), a free call slot waits this long for more before it sends.
     max_call_wait_s: float = Field(0.003, ge=0.0, le=1.0)
 
