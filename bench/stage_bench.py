@@ -1,14 +1,16 @@
-"""The stages' own cost, without Ray: one process runs what one Inference replica and a
-Postprocess replica of `deploy/serve_config.gpu.yaml` run (header reads, nvJPEG decode and
+"""The stages' own cost, without Ray: one process runs the three stages as the replicas of a
+config run them (by default `deploy/serve_config.gpu.yaml`; header reads, nvJPEG decode and
 crop, the batcher and the engine, top-k, the answers' bytes), fed calls as the ingress sends
 them: `jobs` requests of `images` photos each, `calls` of them in flight. It prints the
-images/s and the process' CPU per image (all its threads), for comparison with the
-Inference and Postprocess replicas' CPU in a served run (bench/run.py): the difference is
-what the Ray calls around the stages cost.
+images/s and the process' CPU per image (all its threads), for comparison with the stage
+replicas' CPU in a served run (bench/run.py): the difference is what the Ray calls around
+the stages cost.
 
     python bench/stage_bench.py [--seconds 6] [--shapes 21x1x2,16x8x2,64x1x2]
+    python bench/stage_bench.py --config deploy/serve_config.yaml --settle 0 --shapes 4x8x2
 
-GPU hosts (decode: gpu); the model from `models/` (python -m clients.cli export).
+The model from `models/` (python -m clients.cli export); the config's decode and engine (the
+GPU config on a GPU host; the CPU default decodes with PIL and runs ONNX Runtime).
 """
 
 from __future__ import annotations
