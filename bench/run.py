@@ -194,11 +194,11 @@ class ServerProcesses:
         most `most_s` in all; returns the seconds waited."""
         start = time.time()
         before = self.scan()
-        while time.time() - start + step_s <= most_s:
-            time.sleep(step_s)
+        while (step := min(step_s, start + most_s - time.time())) > 0:
+            time.sleep(step)
             now = self.scan()
             spent = sum(ticks - before.get(key, (0, ""))[0] for key, (ticks, _) in now.items())
-            if spent / TICK < quiet_cores * step_s:
+            if spent / TICK < quiet_cores * step:
                 break
             before = now
         return time.time() - start
