@@ -188,17 +188,23 @@ class ServerProcesses:
                 found.setdefault(name, pid)
         return found
 
-    def settle(self, most_s: float, quiet_cores: float = 2.0, step_s: float = 3.0) -> float:
-        """Waits until the server's processes use under `quiet_cores` over `step_s` (the GPU
-        replicas capture and compile their smaller buckets after ready, on many cores), at
-        most `most_s` in all; returns the seconds waited."""
+    def settle(
+        self, most_s: float, quiet_cores: float = 2.0, step_s: float = 3.0, quiet_steps: int = 2
+    ) -> float:
+        """Waits until the server's processes use under `quiet_cores` in each of `quiet_steps`
+        steps of `step_s` in a row (the GPU replicas capture and compile their smaller
+        buckets after ready, on many cores; one quiet step came while twelve replicas were
+        still capturing their last buckets), at most `most_s` in all; returns the seconds
+        waited."""
         start = time.time()
         before = self.scan()
+        quiet = 0
         while (step := min(step_s, start + most_s - time.time())) > 0:
             time.sleep(step)
             now = self.scan()
             spent = sum(ticks - before.get(key, (0, ""))[0] for key, (ticks, _) in now.items())
-            if spent / TICK < quiet_cores * step:
+            quiet = quiet + 1 if spent / TICK < quiet_cores * step else 0
+            if quiet >= quiet_steps:
                 break
             before = now
         return time.time() - start

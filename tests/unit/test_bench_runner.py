@@ -77,4 +77,4 @@ def test_settle_waits_while_the_server_is_busy_and_not_once_it_idles() -> None:
     finally:
         busy.join()
     assert 3.0 <= waited < 30.0  # past the burn, not to the limit
-    assert tree.settle(30.0, quiet_cores=0.5, step_s=1.0) < 5.0
+    assert tree.settle(30.0, quiet_cores=0.5, step_s=1.0) < 5.0  # two quiet steps
