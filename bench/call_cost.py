@@ -1,0 +1,172 @@
+"""What one call between two Ray processes costs, with no work on either side: a Serve
+deployment calling another through a DeploymentHandle (by value over Serve's gRPC transport,
+and through Ray's object store, as raystream's stage calls go), against a plain Ray actor
+calling another. For each: calls/s with `--in-flight` calls outstanding, each call's latency,
+and the CPU of the calling and the called process per call (every thread, from /proc).
+
+    python bench/call_cost.py [--seconds 5] [--in-flight 4] [--payload-kb 1,1024]
+
+The callee answers with its argument's length; the caller sends `payload` bytes a call.
+Everything runs in a local Ray started here (the machine's cores, loopback only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import ray
+from ray import serve
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from clients.local_ray import loopback_env
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of every thread of `pid`."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+async def drive(call, payload: bytes, in_flight: int, seconds: float) -> dict:
+    """`in_flight` loops, each awaiting one call after another, for `seconds`."""
+    latencies: list[float] = []
+    stop = time.perf_counter() + seconds
+
+    async def loop() -> None:
+        while time.perf_counter() < stop:
+            start = time.perf_counter()
+            size = await call(payload)
+            assert size == len(payload)
+            latencies.append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(loop() for _ in range(in_flight)))
+    elapsed = time.perf_counter() - start
+    return {
+        "calls": len(latencies),
+        "seconds": elapsed,
+        "p50_ms": 1000 * statistics.median(latencies),
+    }
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+class Callee:
+    async def __call__(self, payload: bytes) -> int:
+        return len(payload)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+class Caller:
+    def __init__(self, callee) -> None:
+        self._callee = callee
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def callee_pid(self) -> int:
+        return await self._callee.pid.remote()
+
+    async def run(self, by_value: bool, kb: int, in_flight: int, seconds: float) -> dict:
+        handle = self._callee.options(_by_reference=not by_value)
+        return await drive(lambda p: handle.remote(p), b"x" * (kb * 1024), in_flight, seconds)
+
+
+@ray.remote(num_cpus=0)
+class ActorCallee:
+    async def echo(self, payload: bytes) -> int:
+        return len(payload)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@ray.remote(num_cpus=0)
+class ActorCaller:
+    def __init__(self, callee) -> None:
+        self._callee = callee
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def run(self, kb: int, in_flight: int, seconds: float) -> dict:
+        async def call(payload: bytes) -> int:
+            return await self._callee.echo.remote(payload)
+
+        return await drive(call, b"x" * (kb * 1024), in_flight, seconds)
+
+
+def measured(run, caller_pid: int, callee_pid: int) -> dict:
+    before = cpu_s(caller_pid), cpu_s(callee_pid)
+    result = run()
+    caller, callee = cpu_s(caller_pid) - before[0], cpu_s(callee_pid) - before[1]
+    calls = result["calls"]
+    return {
+        **result,
+        "calls_per_s": calls / result["seconds"],
+        "caller_cpu_ms": 1000 * caller / calls,
+        "callee_cpu_ms": 1000 * callee / calls,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--in-flight", type=int, default=4)
+    parser.add_argument("--payload-kb", default="1,1024", help="payload sizes, comma-separated")
+    args = parser.parse_args()
+    os.environ.update(loopback_env())
+    os.environ.setdefault("RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH", str(1 << 30))
+    ray.init(logging_level="ERROR", log_to_driver=False)
+    serve.start(proxy_location="Disabled")
+    serve_caller = serve.run(Caller.bind(Callee.bind()), name="call-cost", route_prefix=None)
+    serve_pids = serve_caller.pid.remote().result(), serve_caller.callee_pid.remote().result()
+    actor_callee = ActorCallee.remote()
+    actor_caller = ActorCaller.remote(actor_callee)
+    actor_pids = ray.get(actor_caller.pid.remote()), ray.get(actor_callee.pid.remote())
+
+    rows = []
+    for kb in [int(k) for k in args.payload_kb.split(",")]:
+        for name, by_value in (("serve, by value", True), ("serve, object store", False)):
+            serve_caller.run.remote(by_value, kb, args.in_flight, 0.5).result()  # warm-up
+            result = measured(
+                lambda b=by_value, kb=kb: serve_caller.run.remote(
+                    b, kb, args.in_flight, args.seconds
+                ).result(),
+                *serve_pids,
+            )
+            rows.append((name, kb, result))
+        ray.get(actor_caller.run.remote(kb, args.in_flight, 0.5))  # warm-up
+        result = measured(
+            lambda kb=kb: ray.get(actor_caller.run.remote(kb, args.in_flight, args.seconds)),
+            *actor_pids,
+        )
+        rows.append(("ray actor", kb, result))
+    print(f"\n{args.in_flight} calls in flight, {args.seconds:g} s each, {os.cpu_count()} cores")
+    print(
+        f"{'path':<20} {'payload':>8} {'calls/s':>8} {'p50 ms':>7} {'caller CPU ms':>14} "
+        f"{'callee CPU ms':>14}"
+    )
+    for name, kb, r in rows:
+        print(
+            f"{name:<20} {kb:>6}KB {r['calls_per_s']:>8.0f} {r['p50_ms']:>7.2f} "
+            f"{r['caller_cpu_ms']:>14.3f} {r['callee_cpu_ms']:>14.3f}"
+        )
+    serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
