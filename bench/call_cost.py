@@ -163,7 +163,6 @@ def main() -> int:
             f"{name:<20} {kb:>6}KB {r['calls_per_s']:>8.0f} {r['p50_ms']:>7.2f} "
             f"{r['caller_cpu_ms']:>14.3f} {r['callee_cpu_ms']:>14.3f}"
         )
-    serve.shutdown()
     ray.shutdown()
     return 0
 
