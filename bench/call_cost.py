@@ -25,15 +25,14 @@ from ray import serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from clients.local_ray import loopback_env
+import run  # bench/run.py (this script's folder): how it reads a process' CPU
 
-TICK = os.sysconf("SC_CLK_TCK")
+from clients.local_ray import loopback_env
 
 
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of every thread of `pid`."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    return run._proc_stat(str(pid))[2] / run.TICK
 
 
 async def drive(call, payload: bytes, in_flight: int, seconds: float) -> dict:
