@@ -1,8 +1,10 @@
 """What one call between two Ray processes costs, with no work on either side: a Serve
 deployment calling another through a DeploymentHandle (by value over Serve's gRPC transport,
 and through Ray's object store, as raystream's stage calls go), against a plain Ray actor
-calling another. For each: calls/s with `--in-flight` calls outstanding, each call's latency,
-and the CPU of the calling and the called process per call (every thread, from /proc).
+calling another, and against the two Serve replicas calling over a grpc.aio port of the
+callee's own (raw bytes). For each: calls/s with `--in-flight` calls outstanding, each call's
+latency, and the CPU of the calling and the called process per call (every thread, from
+/proc).
 
     python bench/call_cost.py [--seconds 5] [--in-flight 4] [--payload-kb 1,1024]
 
@@ -20,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import ray
 from ray import serve
 
@@ -57,13 +60,38 @@ async def drive(call, payload: bytes, in_flight: int, seconds: float) -> dict:
     }
 
 
+ECHO_METHOD = "/callcost.Echo/Echo"
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 1 << 30),
+    ("grpc.max_send_message_length", 1 << 30),
+]
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
 class Callee:
+    """Answers handle calls, and the same over a grpc.aio server of its own (raw bytes, no
+    protobuf): what a stage replica's own data-plane port would cost."""
+
+    async def __init__(self) -> None:
+        async def echo(payload: bytes, context) -> bytes:
+            return str(len(payload)).encode()
+
+        handler = grpc.method_handlers_generic_handler(
+            "callcost.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)}
+        )
+        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        self._server.add_generic_rpc_handlers((handler,))
+        self._port = self._server.add_insecure_port("127.0.0.1:0")
+        await self._server.start()
+
     async def __call__(self, payload: bytes) -> int:
         return len(payload)
 
     def pid(self) -> int:
         return os.getpid()
+
+    def port(self) -> int:
+        return self._port
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
@@ -80,6 +108,17 @@ class Caller:
     async def run(self, by_value: bool, kb: int, in_flight: int, seconds: float) -> dict:
         handle = self._callee.options(_by_reference=not by_value)
         return await drive(lambda p: handle.remote(p), b"x" * (kb * 1024), in_flight, seconds)
+
+    async def run_grpc(self, kb: int, in_flight: int, seconds: float) -> dict:
+        """The same calls over one grpc.aio channel to the callee's own port."""
+        port = await self._callee.port.remote()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as channel:
+            echo = channel.unary_unary(ECHO_METHOD)
+
+            async def call(payload: bytes) -> int:
+                return int(await echo(payload))
+
+            return await drive(call, b"x" * (kb * 1024), in_flight, seconds)
 
 
 @ray.remote(num_cpus=0)
@@ -146,6 +185,12 @@ def main() -> int:
                 *serve_pids,
             )
             rows.append((name, kb, result))
+        serve_caller.run_grpc.remote(kb, args.in_flight, 0.5).result()  # warm-up
+        result = measured(
+            lambda kb=kb: serve_caller.run_grpc.remote(kb, args.in_flight, args.seconds).result(),
+            *serve_pids,
+        )
+        rows.append(("grpc.aio port", kb, result))
         ray.get(actor_caller.run.remote(kb, args.in_flight, 0.5))  # warm-up
         result = measured(
             lambda kb=kb: ray.get(actor_caller.run.remote(kb, args.in_flight, args.seconds)),
