@@ -7,9 +7,11 @@ The topology (serve_app/topology.py) says which deployments run the stages; each
 from __future__ import annotations
 
 import os
+import secrets
 import uuid
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
@@ -19,6 +21,7 @@ from serve_app.ingress import Ingress
 from serve_app.logs import to_serve_log
 from serve_app.messages import Answer, Batch, Served
 from serve_app.registry import ModelRegistry, RayStore
+from serve_app.stage_port import PortCalls, StagePort
 from serve_app.topology import StageGroup, StageHandle, initial_versions
 
 # Topology direct: the replica runs raystream on Serve's own event loop, not on a second
@@ -45,20 +48,35 @@ DEFAULTS = {
 class Stages:
     """A group of stages as a Serve deployment: a thin shell over StageGroup. The ingress
     chains the calls of the groups up to the one holding inference (serve_app/topology.py,
-    StageChain); that group passes its result on to the group after it (`next`) itself."""
+    StageChain); that group passes its result on to the group after it (`next`) itself.
+    With `stage_calls: port` every group passes its result on to the next, over the next
+    group's ports, and serves its own port (serve_app/stage_port.py)."""
 
     async def __init__(self, config: dict, stages: Group, next: DeploymentHandle | None) -> None:
         to_serve_log()
         config = AppConfig.model_validate(config)
         context = serve.get_replica_context()
+        registry = ModelRegistry(RayStore(), config.instance)
+        self._drain_s = config.limits.drain_timeout_s
+        self._port = None
+        if config.stage_calls == "port":
+            self._port = StagePort(self.run, config.stage_token)
+            await self._port.start(ray.util.get_node_ip_address())
         self._group = await StageGroup.create(
             config,
             stages,
-            ModelRegistry(RayStore(), config.instance),
+            registry,
             deployment_name(stages),
             context.replica_id.unique_id,
+            "" if self._port is None else self._port.address,
         )
-        self._next = None if next is None else StageHandle(next)
+        self._next = None
+        if next is not None:
+            self._next = StageHandle(next)
+            if config.stage_calls == "port":
+                self._next = PortCalls(
+                    registry, next.deployment_name, self._next.run, config.stage_token
+                )
         self.batching = self._group.batching
         self.images_inferred = self._group.images_inferred
         self.memory_bytes = self._group.memory_bytes
@@ -75,10 +93,16 @@ class Stages:
     def reconfigure(self, user_config: dict) -> None:
         self._group.reconfigure(user_config)
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
         # Serve calls it when it stops the replica: stop polling the registry first, so no
-        # poll runs into the process's shutdown.
+        # poll runs into the process's shutdown; calls over the port get drain_timeout_s.
         self._group.stop()
+        if self._port is not None:
+            await self._port.stop(self._drain_s)
+
+    def port_calls(self) -> int:
+        """Calls answered over this replica's stage port (tests: the port carried them)."""
+        return 0 if self._port is None else self._port.calls
 
     def replica_id(self) -> str:
         """This replica's Serve id (operators and tests: which replica answered)."""
@@ -91,7 +115,11 @@ def build_app(args: dict[str, Any]) -> Application:
     if not initial_versions(config):
         raise ValueError("no model version to serve")
     # One instance per deployment of the application: its replicas share the model state.
-    shared = {**config.model_dump(mode="json"), "instance": config.instance or uuid.uuid4().hex}
+    shared = {
+        **config.model_dump(mode="json"),
+        "instance": config.instance or uuid.uuid4().hex,
+        "stage_token": config.stage_token or secrets.token_hex(16),
+    }
     stage_groups = groups(config)
     if not stage_groups:
         # A config file's ray_actor_options replace these, and with them this runtime_env:
@@ -110,6 +138,10 @@ def build_app(args: dict[str, Any]) -> Application:
     after = None
     for group in reversed(stage_groups[inference + 1 :]):
         after = bind(group, after)
-    chained = [bind(group, None) for group in stage_groups[:inference]]
-    chained.append(bind(stage_groups[inference], after))
+    chained = [bind(stage_groups[inference], after)]
+    # Over ports (stage_calls: port) the groups before inference call the next group too,
+    # and the ingress calls only the first; it keeps every handle up to inference (info).
+    forward = config.stage_calls == "port"
+    for group in reversed(stage_groups[:inference]):
+        chained.insert(0, bind(group, chained[0] if forward else None))
     return Ingress.bind(shared, *chained)

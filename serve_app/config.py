@@ -127,6 +127,9 @@ class AppConfig(_Strict):
     # Set by build_app for each deployment of the application: names the shared state that
     # the replicas of one deployment keep about the models loaded at run time.
     instance: str = ""
+    # Set by build_app too: the secret that stage calls over the replicas' ports carry
+    # (serve_app/stage_port.py).
+    stage_token: str = ""
     engine: EngineConfig = EngineConfig()
     limits: LimitsConfig = LimitsConfig()
     security: SecurityConfig = SecurityConfig()
@@ -151,6 +154,9 @@ class AppConfig(_Strict):
     # While other calls are in flight and at least one request arrives in this long (at
     # the last 0.1 s's rate), a free call slot waits this long for more before it sends.
     max_call_wait_s: float = Field(0.003, ge=0.0, le=1.0)
+    # How stage calls travel: `handle`, Serve's DeploymentHandle calls; `port`, a gRPC port
+    # of each stage replica's own, with the handle as fallback (serve_app/stage_port.py).
+    stage_calls: Literal["handle", "port"] = "handle"
 
     @model_validator(mode="after")
     def _stages_in_order(self) -> AppConfig:

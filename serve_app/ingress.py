@@ -61,7 +61,8 @@ class Ingress:
         replica = serve.get_replica_context().replica_id.unique_id
         registry = ModelRegistry(RayStore(), self._config.instance)
         if stages:
-            chain = StageChain(list(stages))
+            port = self._config.stage_calls == "port"
+            chain = StageChain(list(stages), registry if port else None, self._config.stage_token)
             logger.info("stage calls from the ingress: %s", chain.transport)
             info, run = chain.info, chain.run
             stage_deployments = deployment_names(self._config.topology)

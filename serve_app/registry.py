@@ -78,6 +78,7 @@ class Report:
     holds: frozenset[str]  # versions loaded (stage replicas) or routed and busy (ingress)
     at: float
     failed: dict[str, str]  # versions that failed to load here, and why
+    address: str = ""  # the replica's stage port, host:port (serve_app/stage_port.py)
 
 
 def key_of(name: str, version: str) -> str:
@@ -116,8 +117,11 @@ class ModelRegistry:
         replica: str,
         holds: Iterable[str],
         failed: dict[str, str] | None = None,
+        address: str = "",
     ) -> None:
         value = {"holds": sorted(holds), "at": time.time(), "failed": failed or {}}
+        if address:
+            value["address"] = address
         self._store.put(f"{self._reports}{deployment}/{replica}", json.dumps(value).encode())
 
     def reports(self, deployment: str) -> list[Report]:
@@ -131,8 +135,21 @@ class ModelRegistry:
             if now - value["at"] <= FRESH_S:
                 replica = key.rsplit("/", 1)[1]
                 holds = frozenset(value["holds"])
-                found.append(Report(deployment, replica, holds, value["at"], value["failed"]))
+                found.append(
+                    Report(
+                        deployment,
+                        replica,
+                        holds,
+                        value["at"],
+                        value["failed"],
+                        value.get("address", ""),
+                    )
+                )
         return found
+
+    def addresses(self, deployment: str) -> list[str]:
+        """The stage ports of `deployment`'s live replicas that report one."""
+        return [report.address for report in self.reports(deployment) if report.address]
 
     def held_everywhere(self, deployments: Iterable[str]) -> set[str]:
         """The versions that every live replica of every deployment holds (none reported

@@ -12,7 +12,8 @@ one after the other in-process:
 or any grouping written out, e.g. `[[preprocess, inference], [postprocess]]`. A group is named
 for its main stage (Inference if it holds inference), and that name is what the Serve
 config's `deployments:` section configures. The ingress sends each micro-batch of requests
-through the groups as a chain of handle calls (serve_app/ingress.py).
+through the groups as a chain of handle calls (serve_app/ingress.py), or with
+`stage_calls: port` over the replicas' own gRPC ports (serve_app/stage_port.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from serve_app.metrics import resident_memory_bytes
 from serve_app.postprocess import PostprocessStage
 from serve_app.preprocess import PreprocessStage, load_model
 from serve_app.registry import POLL_S, ModelRegistry, key_of, split_key
+from serve_app.stage_port import PortCalls
 
 logger = logging.getLogger(__name__)
 
@@ -93,11 +95,25 @@ class StageChain:
     (the group holding inference holds preprocess too) goes by value where it fits
     (StageHandle)."""
 
-    def __init__(self, handles: list[DeploymentHandle]) -> None:
+    def __init__(
+        self,
+        handles: list[DeploymentHandle],
+        registry: ModelRegistry | None = None,
+        token: str = "",
+    ) -> None:
+        """`registry`: with `stage_calls: port`, where the first group's replicas report
+        their ports (`token`: the stage token); each group then calls the next itself
+        (serve_app/app.py), so the ingress makes one call, over a port (stage_port.py)."""
         self._handles = handles  # the last one holds inference
         self._single = StageHandle(handles[0]) if len(handles) == 1 else None
+        self._port = None
+        if registry is not None:
+            first = StageHandle(handles[0])
+            self._port = PortCalls(registry, handles[0].deployment_name, first.run, token)
 
     async def run(self, batch: Batch) -> list[Answer]:
+        if self._port is not None:
+            return await self._port.run(batch)
         if self._single is not None:
             return await self._single.run(batch)
         response = batch
@@ -107,6 +123,8 @@ class StageChain:
 
     @property
     def transport(self) -> str:
+        if self._port is not None:
+            return self._port.transport
         if self._single is None:
             return "Ray's object store (a chain of several calls)"
         return self._single.transport
@@ -190,10 +208,13 @@ class StageGroup:
         registry: ModelRegistry | None = None,
         deployment: str = "",
         replica: str = "",
+        address: str = "",
     ) -> StageGroup:
+        """`address`: the replica's stage port, reported with its models (stage_port.py)."""
         group = cls()
         group._config, group._stages = config, stages
         group._registry, group._deployment, group._replica = registry, deployment, replica
+        group._address = address
         group.models: dict[str, ModelStages] = {}
         group.failed: dict[str, str] = {}
         group._preprocess: dict[PreprocessSpec, PreprocessStage] = {}
@@ -235,7 +256,9 @@ class StageGroup:
             del self.failed[key]  # asked again later: tried again
 
     def _report(self) -> None:
-        self._registry.report(self._deployment, self._replica, self.models, self.failed)
+        self._registry.report(
+            self._deployment, self._replica, self.models, self.failed, self._address
+        )
 
     def stop(self) -> None:
         """Stop following the registry (tests; a replica follows until it stops)."""

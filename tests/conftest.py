@@ -264,16 +264,19 @@ def start_app(name: str, model_repository: Path, **args: object):
     return handle.port.remote().result(), handle
 
 
-@pytest.fixture(scope="session", params=["chained", "fused", "direct"])
+@pytest.fixture(scope="session", params=["chained", "fused", "direct", "chained-port"])
 def server(request, ray_cluster, two_versions: Path) -> str:
     """The whole application under real Ray Serve, gRPC on a free loopback port, in each
-    topology (serve_app/topology.py), serving the highest of two versions in its repository."""
+    topology (serve_app/topology.py), serving the highest of two versions in its repository;
+    `chained-port`: chained, the stage calls over the replicas' ports (stage_port.py)."""
     from ray import serve
 
+    topology, _, calls = request.param.partition("-")
     port, handle = start_app(
         "raystream",
         two_versions,
-        topology=request.param,
+        topology=topology,
+        stage_calls=calls or "handle",
         engine={"kind": "onnxruntime"},
         limits={"max_images_per_request": 16},
     )

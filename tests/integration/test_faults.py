@@ -19,16 +19,26 @@ pytestmark = pytest.mark.slow
 CATS = range(281, 286)
 
 
-CASES = [("fused", "Inference"), ("chained", "Preprocess")]
+# (topology, stage calls, the deployment whose replica is killed); over ports the call to
+# the dead replica fails and goes again by handle (serve_app/stage_port.py)
+CASES = [
+    ("fused", "handle", "Inference"),
+    ("chained", "handle", "Preprocess"),
+    ("chained", "port", "Inference"),
+]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda case: f"{case[0]}-kill-{case[1]}")
+@pytest.fixture(scope="module", params=CASES, ids=lambda case: "{}-{}-kill-{}".format(*case))
 def fault_server(request, ray_cluster, model_repository):
     from ray import serve
 
-    topology, victim = request.param
+    topology, calls, victim = request.param
     port, _ = start_app(
-        "faults", model_repository, topology=topology, engine={"kind": "onnxruntime"}
+        "faults",
+        model_repository,
+        topology=topology,
+        stage_calls=calls,
+        engine={"kind": "onnxruntime"},
     )
     yield f"127.0.0.1:{port}", victim
     serve.delete("faults")

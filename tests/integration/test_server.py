@@ -371,6 +371,29 @@ async def test_a_client_that_disconnects_leaves_no_work_behind(server, photos, r
     assert response.results[0].labels[0].class_id in COFFEE
 
 
+async def test_stage_calls_travel_as_configured(server, photos, request) -> None:
+    """`stage_calls: port`: every stage replica answers calls over its own port once the
+    callers read the addresses (within a second or two); by handle, none does."""
+    from ray import serve
+
+    topology, _, calls = request.node.callspec.params["server"].partition("-")
+    deployments = {"chained": ["Preprocess", "Inference", "Postprocess"], "fused": ["Inference"]}
+    if topology not in deployments:
+        pytest.skip("topology direct has no stage deployments")
+    handles = [
+        serve.get_deployment_handle(name, app_name="raystream") for name in deployments[topology]
+    ]
+    counts = []
+    for _ in range(40):
+        (response,) = await _stream(server, [pb.ClassifyRequest(images=[photos["coffee"]])])
+        assert response.results[0].labels[0].class_id in COFFEE
+        counts = [await handle.port_calls.remote() for handle in handles]
+        if calls != "port" or all(counts):
+            break
+        await asyncio.sleep(0.25)
+    assert all(counts) if calls == "port" else not any(counts), counts
+
+
 def _metric(text: str, name: str, **labels: str) -> float:
     """Sum of the samples of `name` whose labels include `labels` (Prometheus text)."""
     total = 0.0

@@ -1,0 +1,127 @@
+"""Stage calls over the replicas' own gRPC ports (serve_app/stage_port.py): real grpc.aio
+servers on loopback ports, the registry in memory. The answer or the stage's own exception
+comes back; with no address, or a port that fails, the call goes by handle and loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from serve_app.errors import ModelNotFound
+from serve_app.messages import Batch, Job
+from serve_app.registry import MemoryStore, ModelRegistry
+from serve_app.stage_port import METHOD, SERVICE, TOKEN_KEY, PortCalls, StagePort
+
+TOKEN = "app secret"
+
+
+def _batch(model: str = "") -> Batch:
+    return Batch(jobs=(Job(id="a", images=(b"jpeg bytes",)),), model=model)
+
+
+class Stage:
+    """A stage replica's `run`: the batch's job ids and this replica's name; a batch for
+    model "gone" raises as a replica that does not hold it would."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.running = 0
+
+    async def run(self, batch: Batch) -> list[str]:
+        if batch.model == "gone":
+            raise ModelNotFound("model version 'gone' is not loaded in this replica")
+        self.running += 1
+        await asyncio.sleep(0.05)
+        self.running -= 1
+        return [self.name, *(job.id for job in batch.jobs)]
+
+
+class Fallback:
+    """The handle call: counts the batches it took."""
+
+    def __init__(self) -> None:
+        self.batches: list[Batch] = []
+
+    async def __call__(self, batch: Batch) -> list[str]:
+        self.batches.append(batch)
+        return ["handle", *(job.id for job in batch.jobs)]
+
+
+async def _ports(registry: ModelRegistry, names: list[str]) -> list[tuple[Stage, StagePort]]:
+    started = []
+    for name in names:
+        stage = Stage(name)
+        port = StagePort(stage.run, TOKEN)
+        registry.report("Inference", name, [], address=await port.start("127.0.0.1"))
+        started.append((stage, port))
+    return started
+
+
+async def test_calls_go_over_the_ports_and_spread_over_the_replicas() -> None:
+    registry = ModelRegistry(MemoryStore(), "app")
+    replicas = await _ports(registry, ["r1", "r2"])
+    fallback = Fallback()
+    calls = PortCalls(registry, "Inference", fallback, TOKEN)
+    calls.update(set(registry.addresses("Inference")))
+    answers = await asyncio.gather(*(calls.run(_batch()) for _ in range(8)))
+    assert {answer[0] for answer in answers} == {"r1", "r2"}  # the least busy takes each
+    assert all(answer[1:] == ["a"] for answer in answers)
+    assert [port.calls for _, port in replicas] == [4, 4]
+    assert fallback.batches == []
+    await calls.close()
+    for _, port in replicas:
+        await port.stop(0)
+
+
+async def test_a_stage_error_comes_back_as_itself() -> None:
+    registry = ModelRegistry(MemoryStore(), "app")
+    ((_, port),) = await _ports(registry, ["r1"])
+    calls = PortCalls(registry, "Inference", Fallback(), TOKEN)
+    calls.update(set(registry.addresses("Inference")))
+    with pytest.raises(ModelNotFound, match="'gone' is not loaded"):
+        await calls.run(_batch(model="gone"))
+    await calls.close()
+    await port.stop(0)
+
+
+async def test_without_an_address_or_with_a_dead_port_the_call_goes_by_handle() -> None:
+    registry = ModelRegistry(MemoryStore(), "app")
+    fallback = Fallback()
+    calls = PortCalls(registry, "Inference", fallback, TOKEN)
+    assert await calls.run(_batch()) == ["handle", "a"]  # no replica has reported yet
+    ((_, port),) = await _ports(registry, ["r1"])
+    calls.update(set(registry.addresses("Inference")))
+    await port.stop(0)  # the replica stops; its report is still fresh
+    assert await calls.run(_batch()) == ["handle", "a"]
+    assert len(fallback.batches) == 2 and calls.by_handle == 2
+    assert calls._pick() is None  # dropped until the replica reports again
+    await calls.close()
+
+
+async def test_a_call_without_the_token_is_refused_before_it_is_read() -> None:
+    """Unpickling runs code: a caller that lacks the app's token gets UNAUTHENTICATED, and
+    the raystream caller with a wrong token goes by handle."""
+    registry = ModelRegistry(MemoryStore(), "app")
+    ((_, port),) = await _ports(registry, ["r1"])
+    async with grpc.aio.insecure_channel(port.address) as channel:
+        call = channel.unary_unary(f"/{SERVICE}/{METHOD}")
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call(b"not even a pickle", metadata=((TOKEN_KEY, "guess"),))
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    fallback = Fallback()
+    calls = PortCalls(registry, "Inference", fallback, "another app's secret")
+    calls.update(set(registry.addresses("Inference")))
+    assert await calls.run(_batch()) == ["handle", "a"]
+    assert port.calls == 0
+    await calls.close()
+    await port.stop(0)
+
+
+def test_reports_carry_the_address_and_only_live_ones_count() -> None:
+    registry = ModelRegistry(MemoryStore(), "app")
+    registry.report("Inference", "r1", ["m/1"], address="10.0.0.5:4242")
+    registry.report("Inference", "r2", ["m/1"])  # serves no port (stage_calls: handle)
+    assert registry.addresses("Inference") == ["10.0.0.5:4242"]
+    assert registry.addresses("Postprocess") == []
