@@ -37,6 +37,7 @@ class ConfigError(Exception):
 def _serve_config(path: Path, overrides: dict) -> tuple[dict, object]:
     import yaml
 
+    from serve_app.autoscaling import POLICY
     from serve_app.config import BY_VALUE_ENV, AppConfig
 
     if not path.is_file():
@@ -76,6 +77,10 @@ def _serve_config(path: Path, overrides: dict) -> tuple[dict, object]:
                     # bookkeeping, so ask for less and leave that room.
                     gpus /= 1 + d.get("max_surge_percent", 0) / 100
                     d.setdefault("ray_actor_options", {}).setdefault("num_gpus", gpus)
+    for d in deployments:  # autoscaled stage deployments count their port calls too
+        autoscaling = d.get("autoscaling_config")
+        if d.get("name") != "Ingress" and isinstance(autoscaling, dict):
+            autoscaling.setdefault("policy", {"policy_function": POLICY})
     app["deployments"] = deployments
     # No access-log line per handle call (Serve's default) unless the config asks for one:
     # the ingress logs requests itself (log_sample_rate, failures).

@@ -16,6 +16,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
+from serve_app.autoscaling import PORT_CALLS
 from serve_app.config import AppConfig, BatchingConfig, Group, deployment_name, groups
 from serve_app.ingress import Ingress
 from serve_app.logs import to_serve_log
@@ -59,8 +60,9 @@ class Stages:
         registry = ModelRegistry(RayStore(), config.instance)
         self._drain_s = config.limits.drain_timeout_s
         self._port = None
+        self._port_calls_here = 0  # port calls in this group's own stages (autoscaling)
         if config.stage_calls == "port":
-            self._port = StagePort(self.run, config.stage_token)
+            self._port = StagePort(self._run_port_call, config.stage_token)
             await self._port.start(ray.util.get_node_ip_address())
         self._group = await StageGroup.create(
             config,
@@ -85,6 +87,16 @@ class Stages:
         batch = await self._group.run(batch)
         return batch if self._next is None else await self._next.run(batch)
 
+    async def _run_port_call(self, batch: Batch) -> Batch | list[Answer]:
+        """`run` for a call over the port, counted while this group's own stages hold it
+        (Serve's autoscaler, serve_app/autoscaling.py), not while the next group runs it."""
+        self._port_calls_here += 1
+        try:
+            batch = await self._group.run(batch)
+        finally:
+            self._port_calls_here -= 1
+        return batch if self._next is None else await self._next.run(batch)
+
     async def info(self, key: str = "") -> Served:
         """What is served: a model version ("name/version"; empty: the default model) and
         its engine (the group that holds inference answers)."""
@@ -99,6 +111,10 @@ class Stages:
         self._group.stop()
         if self._port is not None:
             await self._port.stop(self._drain_s)
+
+    def record_autoscaling_stats(self) -> dict[str, int]:
+        """Serve's autoscaler reads it (serve_app/autoscaling.py): the port's calls here."""
+        return {PORT_CALLS: self._port_calls_here}
 
     def port_calls(self) -> int:
         """Calls answered over this replica's stage port (tests: the port carried them)."""

@@ -16,10 +16,12 @@ carry everything else (what is served, model lifecycle). A call goes by handle w
 the caller knows no address yet, and again by handle when the port fails before answering
 (the replica stopped: the address is dropped until its next report). The stages have no
 side effects, so a batch run twice is harmless. Calls over the port are not Serve requests:
-Serve's `max_ongoing_requests` and autoscaling do not see them (the ingress' micro-batcher
-bounds its calls in flight, serve_app/dispatch.py). The port binds the node's address that
-Ray uses; it answers only calls that carry the application's stage token (a random secret
-that build_app gives every replica), and reads nothing of a call before checking it.
+Serve's `max_ongoing_requests` does not bound them (the ingress' micro-batcher bounds its
+calls in flight, serve_app/dispatch.py), and Serve's autoscaler sees them only through
+raystream's policy (serve_app/autoscaling.py), to which every replica reports the port's
+calls in its own stages. The port binds the node's address that Ray uses; it answers only calls
+that carry the application's stage token (a random secret that build_app gives every
+replica), and reads nothing of a call before checking it.
 """
 
 from __future__ import annotations

@@ -268,3 +268,40 @@ def test_stage_calls_go_by_value_under_serve_deploy_and_raystream_serve(path: Pa
         config, _ = _serve_config(path, {})
         env_vars = config["applications"][0]["runtime_env"]["env_vars"]
         assert env_vars[MESSAGE_LIMIT_ENV] == BY_VALUE_ENV[MESSAGE_LIMIT_ENV]
+
+
+def test_autoscaled_stage_deployments_count_their_port_calls(tmp_path: Path) -> None:
+    """Calls over the stage ports are not Serve requests: every shipped autoscaled stage
+    deployment names raystream's policy (for `serve deploy` and KubeRay), and `raystream
+    serve` names it where a config names no policy, keeping one that a config names."""
+    from clients.serve_command import _serve_config
+    from serve_app.autoscaling import POLICY
+
+    apps = [yaml.safe_load(path.read_text())["applications"][0] for path in SERVE_CONFIGS]
+    apps.append(yaml.safe_load(_rayservice()[0]["spec"]["serveConfigV2"])["applications"][0])
+    autoscaled = [
+        d["autoscaling_config"]
+        for app in apps
+        for d in app.get("deployments", [])
+        if d["name"] != "Ingress" and "autoscaling_config" in d
+    ]
+    assert len(autoscaled) == 3  # the default's Preprocess, the cluster's and KubeRay's Inference
+    assert all(a["policy"] == {"policy_function": POLICY} for a in autoscaled), autoscaled
+
+    config = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
+    deployments = {d["name"]: d for d in config["applications"][0]["deployments"]}
+    del deployments["Preprocess"]["autoscaling_config"]["policy"]
+    deployments["Inference"]["autoscaling_config"] = {"policy": {"policy_function": "m:f"}}
+    path = tmp_path / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    served, _ = _serve_config(path, {})
+    policies = {
+        d["name"]: d.get("autoscaling_config", {}).get("policy")
+        for d in served["applications"][0]["deployments"]
+    }
+    assert policies == {
+        "Ingress": None,
+        "Preprocess": {"policy_function": POLICY},
+        "Inference": {"policy_function": "m:f"},
+        "Postprocess": None,
+    }
