@@ -2,8 +2,9 @@
 started with `ray start` on this machine, each declaring its own custom resources, Ray's token
 authentication on; deploy/serve_config.cluster.yaml deployed with `serve deploy` (the ingress
 on the head, Preprocess and Postprocess on node a, Inference on node b); a plain grpcio client
-(TLS, the token) whose requests cross the nodes. Then a load step against autoscaled
-Inference, the Serve controller killed mid-stream, and two worker nodes lost mid-stream.
+(TLS, the token) whose requests cross the nodes, the calls between stages over the replicas'
+own ports (stage_calls: port). Then a load step against autoscaled Inference, the Serve
+controller killed mid-stream, and two worker nodes lost mid-stream.
 
 Every node is at 127.0.0.1 in a network namespace that has only loopback; `make test-cluster`
 runs pytest in one (tests/cluster/loopback_cluster.py says why). The tests share one cluster
@@ -105,15 +106,9 @@ def test_a_ray_client_without_the_token_cannot_connect(cluster) -> None:
         assert allowed.returncode == 0 and "nodes 3" in allowed.stdout, allowed.stderr[-2000:]
 
 
-async def test_requests_cross_the_nodes_the_config_places_replicas_on(
-    cluster, deployed, photos
-) -> None:
-    assert _where(cluster) == {
-        "Ingress": {"head"},
-        "Preprocess": {"a"},
-        "Inference": {"b"},
-        "Postprocess": {"a"},
-    }
+async def _classify(deployed, photos: dict[str, bytes], requests: int) -> list[pb.ClassifyResponse]:
+    """`requests` requests of a cat and a coffee over one stream, as a plain grpcio client
+    with TLS and the token; checks that a call without the token is refused."""
     credentials = grpc.ssl_channel_credentials(deployed.root_certificate)
     async with grpc.aio.secure_channel(deployed.target, credentials) as channel:
         classify = channel.stream_stream(
@@ -123,12 +118,12 @@ async def test_requests_cross_the_nodes_the_config_places_replicas_on(
         )
         images = [photos["chelsea"], photos["coffee"]]
 
-        async def requests():
-            for i in range(6):
+        async def stream():
+            for i in range(requests):
                 yield pb.ClassifyRequest(request_id=str(i), images=images, top_k=1)
 
         metadata = (("authorization", f"Bearer {deployed.token}"),)
-        answers = [r async for r in classify(requests(), metadata=metadata)]
+        answers = [r async for r in classify(stream(), metadata=metadata)]
         info = channel.unary_unary(
             "/raystream.v1.ImageClassifier/GetModelInfo",
             request_serializer=pb.ModelInfoRequest.SerializeToString,
@@ -137,10 +132,53 @@ async def test_requests_cross_the_nodes_the_config_places_replicas_on(
         with pytest.raises(grpc.aio.AioRpcError) as refused:  # no token, no answer
             await info(pb.ModelInfoRequest())
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert sorted(a.request_id for a in answers) == [str(i) for i in range(6)]
+    assert sorted(a.request_id for a in answers) == sorted(str(i) for i in range(requests))
     for answer in answers:
         cat, coffee = (result.labels[0].class_id for result in answer.results)
         assert cat in CATS and coffee in COFFEE
+    return answers
+
+
+async def test_requests_cross_the_nodes_the_config_places_replicas_on(
+    cluster, deployed, photos
+) -> None:
+    assert _where(cluster) == {
+        "Ingress": {"head"},
+        "Preprocess": {"a"},
+        "Inference": {"b"},
+        "Postprocess": {"a"},
+    }
+    await _classify(deployed, photos, 6)
+
+
+def _port_calls(cluster: LoopbackCluster, deployment: str) -> int:
+    """Calls that `deployment`'s replica answered over its stage port (a driver of its own)."""
+    code = (
+        f"import ray; from ray import serve; ray.init(address={cluster.address!r}); "
+        f"handle = serve.get_deployment_handle({deployment!r}, app_name={APP!r}); "
+        "print('calls', handle.port_calls.remote().result())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=cluster.env(), capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0 and "calls" in done.stdout, done.stderr[-2000:]
+    return int(done.stdout.split()[-1])
+
+
+async def test_stage_calls_cross_the_nodes_over_the_replicas_ports(
+    cluster, deployed, photos
+) -> None:
+    """The cluster config's calls between stages go over the replicas' own ports
+    (stage_calls: port): the ingress (head) to Preprocess (a), Preprocess to Inference (b),
+    Inference to Postprocess (a), once the callers have read the addresses (a second)."""
+    stages = ("Preprocess", "Inference", "Postprocess")
+    counts = [0] * len(stages)
+    for _ in range(10):
+        await _classify(deployed, photos, 4)
+        counts = [_port_calls(cluster, name) for name in stages]
+        if all(counts):
+            break
+    assert all(counts), dict(zip(stages, counts, strict=True))
 
 
 def test_a_load_step_adds_a_replica_latency_recovers_and_it_goes_away(cluster, deployed) -> None:
