@@ -78,8 +78,9 @@ def _serve_config(path: Path, overrides: dict) -> tuple[dict, object]:
                     gpus /= 1 + d.get("max_surge_percent", 0) / 100
                     d.setdefault("ray_actor_options", {}).setdefault("num_gpus", gpus)
     for d in deployments:  # autoscaled stage deployments count their port calls too
-        autoscaling = d.get("autoscaling_config")
-        if d.get("name") != "Ingress" and isinstance(autoscaling, dict):
+        autoscaled = d.get("autoscaling_config") or d.get("num_replicas") == "auto"
+        if d.get("name") != "Ingress" and autoscaled:
+            autoscaling = d["autoscaling_config"] = d.get("autoscaling_config") or {}
             autoscaling.setdefault("policy", {"policy_function": POLICY})
     app["deployments"] = deployments
     # No access-log line per handle call (Serve's default) unless the config asks for one:

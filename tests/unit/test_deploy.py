@@ -274,6 +274,8 @@ def test_autoscaled_stage_deployments_count_their_port_calls(tmp_path: Path) -> 
     """Calls over the stage ports are not Serve requests: every shipped autoscaled stage
     deployment names raystream's policy (for `serve deploy` and KubeRay), and `raystream
     serve` names it where a config names no policy, keeping one that a config names."""
+    from ray.serve.schema import ServeDeploySchema
+
     from clients.serve_command import _serve_config
     from serve_app.autoscaling import POLICY
 
@@ -291,7 +293,10 @@ def test_autoscaled_stage_deployments_count_their_port_calls(tmp_path: Path) -> 
     config = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
     deployments = {d["name"]: d for d in config["applications"][0]["deployments"]}
     del deployments["Preprocess"]["autoscaling_config"]["policy"]
-    deployments["Inference"]["autoscaling_config"] = {"policy": {"policy_function": "m:f"}}
+    serves_own = {"policy_function": "ray.serve.autoscaling_policy:default_autoscaling_policy"}
+    del deployments["Inference"]["num_replicas"]
+    deployments["Inference"]["autoscaling_config"] = {"policy": serves_own}
+    deployments["Postprocess"]["num_replicas"] = "auto"  # Serve's default autoscaling
     path = tmp_path / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     served, _ = _serve_config(path, {})
@@ -302,6 +307,7 @@ def test_autoscaled_stage_deployments_count_their_port_calls(tmp_path: Path) -> 
     assert policies == {
         "Ingress": None,
         "Preprocess": {"policy_function": POLICY},
-        "Inference": {"policy_function": "m:f"},
-        "Postprocess": None,
+        "Inference": serves_own,
+        "Postprocess": {"policy_function": POLICY},
     }
+    ServeDeploySchema.model_validate(served)  # Serve takes it as written
