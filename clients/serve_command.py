@@ -49,7 +49,7 @@ def _serve_config(path: Path, overrides: dict) -> tuple[dict, object]:
         merge = isinstance(value, dict) and isinstance(args.get(key), dict)
         args[key] = {**args[key], **value} if merge else value
     app["args"] = args
-    deployments = app.get("deployments", [])
+    deployments = app.get("deployments") or []
     if "topology" in args:  # settings of deployments that this topology does not make go
         from serve_app.config import deployment_names
 

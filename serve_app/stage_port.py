@@ -11,7 +11,7 @@ also serves its `run` on a port of its own (StagePort) and reports the address w
 models in the registry (serve_app/registry.py); a caller (PortCalls) sends each batch,
 pickled, to the replica of the next deployment with the fewest of its own calls in flight.
 
-Serve still places, starts, stops and health-checks the replicas, and the handles still
+Serve still places, starts, scales, stops and health-checks the replicas; the handles still
 carry everything else (what is served, model lifecycle). A call goes by handle when
 the caller knows no address yet, and again by handle when the port fails before answering
 (the replica stopped: the address is dropped until its next report). The stages have no

@@ -274,6 +274,7 @@ def test_autoscaled_stage_deployments_count_their_port_calls(tmp_path: Path) -> 
     """Calls over the stage ports are not Serve requests: every shipped autoscaled stage
     deployment names raystream's policy (for `serve deploy` and KubeRay), and `raystream
     serve` names it where a config names no policy, keeping one that a config names."""
+    from ray.serve.config import AutoscalingConfig
     from ray.serve.schema import ServeDeploySchema
 
     from clients.serve_command import _serve_config
@@ -310,4 +311,13 @@ def test_autoscaled_stage_deployments_count_their_port_calls(tmp_path: Path) -> 
         "Inference": serves_own,
         "Postprocess": {"policy_function": POLICY},
     }
-    ServeDeploySchema.model_validate(served)  # Serve takes it as written
+    ServeDeploySchema.model_validate(served)
+    # ...and builds the autoscaling configs with these policies (num_replicas "auto": its
+    # fields over Serve's defaults, as Serve merges them)
+    for d in served["applications"][0]["deployments"]:
+        if "autoscaling_config" in d:
+            fields = d["autoscaling_config"]
+            if d.get("num_replicas") == "auto":
+                fields = {**AutoscalingConfig.default().model_dump(exclude_unset=True), **fields}
+            built = AutoscalingConfig(**fields)
+            assert built.policy.policy_function == policies[d["name"]]["policy_function"]
