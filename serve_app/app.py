@@ -106,11 +106,16 @@ class Stages:
         self._group.reconfigure(user_config)
 
     async def __del__(self) -> None:
-        # Serve calls it when it stops the replica: stop polling the registry first, so no
-        # poll runs into the process's shutdown; calls over the port get drain_timeout_s.
+        # Serve calls it when it stops the replica: stop polling the registry and the next
+        # group's addresses first, so that no poll runs into the process's shutdown; calls
+        # over the port get drain_timeout_s.
         self._group.stop()
+        if isinstance(self._next, PortCalls):
+            self._next.stop()
         if self._port is not None:
             await self._port.stop(self._drain_s)
+        if isinstance(self._next, PortCalls):
+            await self._next.close()
 
     def record_autoscaling_stats(self) -> dict[str, int]:
         """Serve's autoscaler reads it (serve_app/autoscaling.py): the port's calls here."""

@@ -58,6 +58,7 @@ class Ingress:
         self._server: grpc.aio.Server | None = None
         self._config = AppConfig.model_validate(config)
         self._local: StageGroup | None = None
+        self._chain: StageChain | None = None
         replica = serve.get_replica_context().replica_id.unique_id
         registry = ModelRegistry(RayStore(), self._config.instance)
         if stages:
@@ -65,6 +66,7 @@ class Ingress:
             chain = StageChain(list(stages), registry if port else None, self._config.stage_token)
             logger.info("stage calls from the ingress: %s", chain.transport)
             info, run = chain.info, chain.run
+            self._chain = chain
             stage_deployments = deployment_names(self._config.topology)
         else:
             self._local = await StageGroup.create(
@@ -178,7 +180,11 @@ class Ingress:
         # and give what was read `drain_timeout_s` to be answered.
         if self._server is not None:
             self._models.stop()  # no registry poll runs into the process's shutdown
+            if self._chain is not None:
+                self._chain.stop()  # nor a read of the stage ports' addresses
             await self._health.enter_graceful_shutdown()
             self._streams.drain()
             await self._server.stop(grace=self._config.limits.drain_timeout_s)
+            if self._chain is not None:
+                await self._chain.close()
             self._core.flush_metrics()  # the last second's counts

@@ -112,6 +112,7 @@ class PortCalls:
         self._open: dict[str, grpc.aio.Channel] = {}
         self._in_flight: dict[str, int] = {}
         self._refresh_task: asyncio.Task | None = None
+        self._following = True  # reading the addresses (until the replica stops)
         self._closing: set[asyncio.Task] = set()  # channels closing, until they are closed
         self.by_handle = 0  # calls that went by handle (tests, logs)
 
@@ -120,7 +121,7 @@ class PortCalls:
         return f"over the {self._deployment} replicas' own gRPC ports (stage_calls: port)"
 
     async def run(self, batch: Batch) -> Any:
-        if self._refresh_task is None:
+        if self._refresh_task is None and self._following:
             self._refresh_task = asyncio.create_task(self._refresh())
         address = self._pick()
         if address is None:
@@ -183,8 +184,14 @@ class PortCalls:
                 logger.exception("reading the %s replicas' addresses failed", self._deployment)
             await asyncio.sleep(ADDRESS_POLL_S)
 
-    async def close(self) -> None:
+    def stop(self) -> None:
+        """Stop reading the addresses, as the replica stops: no read runs into the process's
+        shutdown (its thread pool gone). Calls go on over the channels already open."""
+        self._following = False
         if self._refresh_task is not None:
             self._refresh_task.cancel()
+
+    async def close(self) -> None:
+        self.stop()
         for address in list(self._channels):
             self._drop(address)

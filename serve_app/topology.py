@@ -129,6 +129,15 @@ class StageChain:
             return "Ray's object store (a chain of several calls)"
         return self._single.transport
 
+    def stop(self) -> None:
+        """The replica is stopping: stop following the ports' addresses (PortCalls.stop)."""
+        if self._port is not None:
+            self._port.stop()
+
+    async def close(self) -> None:
+        if self._port is not None:
+            await self._port.close()
+
     async def info(self, key: str = "") -> Served:
         return await self._handles[-1].info.remote(key)
 

@@ -125,3 +125,30 @@ def test_reports_carry_the_address_and_only_live_ones_count() -> None:
     registry.report("Inference", "r2", ["m/1"])  # serves no port (stage_calls: handle)
     assert registry.addresses("Inference") == ["10.0.0.5:4242"]
     assert registry.addresses("Postprocess") == []
+
+
+async def test_a_stopped_caller_reads_no_more_addresses_and_its_calls_go_on() -> None:
+    """As its replica stops, a caller stops reading the addresses (no read may run into the
+    process's shutdown, when its thread pool is gone) and keeps calling the ports it has."""
+
+    class CountingRegistry(ModelRegistry):
+        reads = 0
+
+        def addresses(self, deployment: str) -> list[str]:
+            CountingRegistry.reads += 1
+            return super().addresses(deployment)
+
+    registry = CountingRegistry(MemoryStore(), "app")
+    ((_, port),) = await _ports(registry, ["r1"])
+    calls = PortCalls(registry, "Inference", Fallback(), TOKEN)
+    calls.update(set(registry.addresses("Inference")))
+    assert (await calls.run(_batch()))[0] == "r1"  # starts the reads
+    await asyncio.sleep(0.1)
+    calls.stop()
+    reads = CountingRegistry.reads
+    await asyncio.sleep(0.1)
+    assert calls._refresh_task.cancelled()
+    assert (await calls.run(_batch()))[0] == "r1" and port.calls == 2
+    assert CountingRegistry.reads == reads
+    await calls.close()
+    await port.stop(0)
