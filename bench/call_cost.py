@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import run  # bench/run.py (this script's folder): how it reads a process' CPU
 
 from clients.local_ray import loopback_env
+from serve_app.stage_port import MESSAGE_OPTIONS  # the stage ports' message limits
 
 
 def cpu_s(pid: int) -> float:
@@ -61,10 +62,6 @@ async def drive(call, payload: bytes, in_flight: int, seconds: float) -> dict:
 
 
 ECHO_METHOD = "/callcost.Echo/Echo"
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", 1 << 30),
-    ("grpc.max_send_message_length", 1 << 30),
-]
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
@@ -79,7 +76,7 @@ class Callee:
         handler = grpc.method_handlers_generic_handler(
             "callcost.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)}
         )
-        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        self._server = grpc.aio.server(options=MESSAGE_OPTIONS)
         self._server.add_generic_rpc_handlers((handler,))
         self._port = self._server.add_insecure_port("127.0.0.1:0")
         await self._server.start()
@@ -112,7 +109,8 @@ class Caller:
     async def run_grpc(self, kb: int, in_flight: int, seconds: float) -> dict:
         """The same calls over one grpc.aio channel to the callee's own port."""
         port = await self._callee.port.remote()
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as channel:
+        address = f"127.0.0.1:{port}"
+        async with grpc.aio.insecure_channel(address, options=MESSAGE_OPTIONS) as channel:
             echo = channel.unary_unary(ECHO_METHOD)
 
             async def call(payload: bytes) -> int:

@@ -108,7 +108,7 @@ class StageChain:
         self._single = StageHandle(handles[0]) if len(handles) == 1 else None
         self._port = None
         if registry is not None:
-            first = StageHandle(handles[0])
+            first = self._single or StageHandle(handles[0])
             self._port = PortCalls(registry, handles[0].deployment_name, first.run, token)
 
     async def run(self, batch: Batch) -> list[Answer]:
