@@ -218,13 +218,16 @@ class ServerProcesses:
             time.sleep(min(self.interval, max(end - time.time(), 0)))
             last.update(self.scan())
         by_name: dict[str, float] = {}
+        busiest = ("", 0.0)  # one process's CPU bounds what its connections get
         for key, (ticks, name) in last.items():
             spent = (ticks - first.get(key, (0, ""))[0]) / TICK
             by_name[name] = by_name.get(name, 0.0) + spent
+            busiest = max(busiest, (name, spent), key=lambda pair: pair[1])
         return {
             "cpu_s": sum(by_name.values()),
             "processes": len(last),
             "cpu_s_by_process": dict(sorted(by_name.items(), key=lambda kv: -kv[1])),
+            "busiest_process": {"name": busiest[0], "cores": busiest[1] / (end - start)},
         }
 
 
@@ -725,9 +728,17 @@ def _line(row: dict) -> str:
     return (
         report.get("summary", "")
         + (f"; server CPU {cpu:.2f} ms/img" if cpu else "")
+        + (_busiest(report.get("server_cpu", {}).get("busiest_process")))
         + (f"; GPU kernels running {gpu['sm']:.0f}% of the time" if "sm" in gpu else "")
         + (f", JPEG engines busy {gpu['jpg']:.0f}%" if "jpg" in gpu else "")
     )
+
+
+def _busiest(process: dict | None) -> str:
+    if not process or not process["name"]:
+        return ""
+    name = process["name"].removeprefix("ray::ServeReplica:").split(":")[-1]
+    return f", the busiest process ({name}) {process['cores']:.2f} cores"
 
 
 # --- scenarios and the table ---------------------------------------------------------------

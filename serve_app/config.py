@@ -154,6 +154,10 @@ class AppConfig(_Strict):
     # While other calls are in flight and at least one request arrives in this long (at
     # the last 0.1 s's rate), a free call slot waits this long for more before it sends.
     max_call_wait_s: float = Field(0.003, ge=0.0, le=1.0)
+    # While call slots are free, requests that one call would take are spread over them in
+    # calls of at least this many images each, so that one client's burst runs on several
+    # stage replicas at once (0: one call takes them).
+    spread_min_images: int = Field(0, ge=0)
     # How stage calls travel: `handle`, Serve's DeploymentHandle calls; `port`, a gRPC port
     # of each stage replica's own, with the handle as fallback (serve_app/stage_port.py).
     stage_calls: Literal["handle", "port"] = "handle"

@@ -124,6 +124,8 @@ class ServingCore:
                 max_per_call=self._config.requests_per_call,
                 max_calls=self._config.max_calls_in_flight,
                 gather_s=self._config.max_call_wait_s,
+                spread_images=self._config.spread_min_images,
+                images=lambda item: item.job.count if item.job else 0,
             )
         return self._dispatchers[key]
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 class Item:
     name: str
     done: bool = False
+    images: int = 1
 
 
 class Calls:
@@ -131,5 +132,71 @@ async def test_a_full_call_goes_at_once_while_gathering(monkeypatch) -> None:
     dispatcher.submit(Item("c"))  # max_per_call reached: no reason to wait
     await _until(lambda: len(calls.sent) == 2)
     assert calls.sent == [["a"], ["b", "c"]]
+    for gate in calls.gates:
+        gate.set()
+
+
+def _spreading(calls: Calls, spread_images: int, max_calls: int = 4):
+    from serve_app.dispatch import Dispatcher
+
+    return Dispatcher(
+        calls,
+        max_per_call=16,
+        max_calls=max_calls,
+        gather_s=0.2,
+        spill_after_s=60,
+        spread_images=spread_images,
+        images=lambda item: item.images,
+    )
+
+
+async def _gathered_burst(dispatcher, calls: Calls, monkeypatch, sizes: list[int]) -> None:
+    """One call in flight ("a"), then a burst of items of `sizes` images that a free slot
+    gathers."""
+    await _burst_after_a_call(dispatcher, monkeypatch)
+    for number, size in enumerate(sizes):
+        dispatcher.submit(Item(f"i{number}", images=size))
+    await _until(lambda: len(calls.sent) > 1)
+    await asyncio.sleep(0.02)
+
+
+async def test_a_burst_is_spread_over_the_free_slots(monkeypatch) -> None:
+    """One client's burst goes to several stage replicas at once: three free slots, six
+    items of 8 images and at least 16 images a call make three calls of two items."""
+    calls = Calls()
+    dispatcher = _spreading(calls, spread_images=16)
+    await _gathered_burst(dispatcher, calls, monkeypatch, [8] * 6)
+    assert calls.sent == [["a"], ["i0", "i1"], ["i2", "i3"], ["i4", "i5"]]
+    for gate in calls.gates:
+        gate.set()
+
+
+async def test_spread_calls_share_the_images_not_the_items(monkeypatch) -> None:
+    calls = Calls()
+    dispatcher = _spreading(calls, spread_images=8)
+    await _gathered_burst(dispatcher, calls, monkeypatch, [16, 4, 4, 4, 4])
+    assert calls.sent == [["a"], ["i0"], ["i1", "i2"], ["i3", "i4"]]  # 16, 8 and 8 images
+    for gate in calls.gates:
+        gate.set()
+
+
+async def test_no_spread_below_the_minimum_or_when_off(monkeypatch) -> None:
+    """Calls of fewer than spread_images images would cost more than they save: 24 images
+    at 16 a call go in one call; spread_images 0 never spreads."""
+    for spread_images in (16, 0):
+        calls = Calls()
+        dispatcher = _spreading(calls, spread_images=spread_images)
+        await _gathered_burst(dispatcher, calls, monkeypatch, [8] * 3)
+        assert calls.sent == [["a"], ["i0", "i1", "i2"]]
+        for gate in calls.gates:
+            gate.set()
+
+
+async def test_no_spread_without_free_slots(monkeypatch) -> None:
+    """Under full load calls stay full: with one slot free the burst goes in one call."""
+    calls = Calls()
+    dispatcher = _spreading(calls, spread_images=8, max_calls=2)
+    await _gathered_burst(dispatcher, calls, monkeypatch, [8] * 6)
+    assert calls.sent == [["a"], [f"i{n}" for n in range(6)]]
     for gate in calls.gates:
         gate.set()
