@@ -165,3 +165,30 @@ async def test_a_second_loss_answers_unavailable_saying_why(core, photos) -> Non
     assert answer.code == UNAVAILABLE and len(run.calls) == 2
     assert "stopped while running this request again" in answer.message
     assert "send it again" in answer.message
+
+
+@pytest.mark.parametrize(("spread_min_images", "calls"), [(4, [1, 2, 2]), (0, [1, 4])])
+async def test_a_burst_goes_in_calls_over_the_free_slots(
+    core, photos, spread_min_images, calls
+) -> None:
+    """Requests of 2 images gathered while one call runs: with `spread_min_images` 4 they
+    go in two calls of 4 images over the two free slots, otherwise in one call."""
+    core, chain = core
+    config = core._config.model_copy(
+        update={
+            "max_calls_in_flight": 3,
+            "max_call_wait_s": 0.5,
+            "spread_min_images": spread_min_images,
+        }
+    )
+    core = ServingCore(config, chain.served, chain)
+    two = (photos["coffee"], photos["chelsea"])
+    first = _submit(core, Job(id="first", images=two))
+    await _until(lambda: chain.calls == [1])  # held at the gate
+    await asyncio.sleep(0.11)  # a whole window of arrivals: more are expected now
+    burst = [_submit(core, Job(id=f"b{i}", images=two)) for i in range(4)]
+    await _until(lambda: len(chain.calls) == len(calls))
+    chain.gate.set()
+    answers = await asyncio.gather(first, *burst)
+    assert chain.calls == calls
+    assert [a.code for a in answers] == [0] * 5 and core.requests_in_flight == 0
