@@ -128,13 +128,13 @@ class Dispatcher(Generic[P]):
         if calls < 2:
             return []
         self._queue.clear()
-        share, sent = total / calls, 0
+        share, placed = total / calls, 0  # images per call; images in the groups so far
         groups: list[list[P]] = [[]]
         for item in live:
-            if sent >= share * len(groups) and len(groups) < calls:
+            if placed >= share * len(groups) and len(groups) < calls:
                 groups.append([])
             groups[-1].append(item)
-            sent += self._images(item)
+            placed += self._images(item)
         return groups
 
     def _take(self) -> list[P]:
