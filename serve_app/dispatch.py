@@ -16,8 +16,8 @@ request, and waiting 3 ms served 2-7% more at 8-10% less CPU an image.
 
 While slots are free, a queue that one call would take whole can instead go in several
 calls of at least `spread_images` images each (0: never): one client's burst then runs on
-several stage replicas at once, not in one replica's queue. This only happens when calls
-are free, so under full load calls stay full.
+several stage replicas at once, not in one replica's queue. It takes two free slots or more;
+under full load slots free one at a time, and calls stay full.
 
 Callbacks, not a future per request: each call answers its requests when it returns, and the
 ingress does no work per request beyond queueing it.
@@ -128,13 +128,19 @@ class Dispatcher(Generic[P]):
         if calls < 2:
             return []
         self._queue.clear()
-        share, placed = total / calls, 0  # images per call; images in the groups so far
+        share = total // calls
         groups: list[list[P]] = [[]]
+        placed = own = 0  # images in the groups so far, and in the last one
         for item in live:
-            if placed >= share * len(groups) and len(groups) < calls:
+            full = own >= self._spread_images and placed >= share * len(groups)
+            if full and len(groups) < calls:
                 groups.append([])
+                own = 0
             groups[-1].append(item)
-            placed += self._images(item)
+            images = self._images(item)
+            placed, own = placed + images, own + images
+        if len(groups) > 1 and own < self._spread_images:  # lumpy items: the last one short
+            groups[-2].extend(groups.pop())
         return groups
 
     def _take(self) -> list[P]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+import pytest
+
 
 @dataclass(eq=False)
 class Item:
@@ -150,14 +152,24 @@ def _spreading(calls: Calls, spread_images: int, max_calls: int = 4):
     )
 
 
-async def _gathered_burst(dispatcher, calls: Calls, monkeypatch, sizes: list[int]) -> None:
+async def _gathered_burst(dispatcher, calls: Calls, monkeypatch, sizes: list[int]) -> list:
     """One call in flight ("a"), then a burst of items of `sizes` images that a free slot
-    gathers."""
+    gathers; the calls sent by then, once every call has finished, each item sent once."""
     await _burst_after_a_call(dispatcher, monkeypatch)
     for number, size in enumerate(sizes):
         dispatcher.submit(Item(f"i{number}", images=size))
     await _until(lambda: len(calls.sent) > 1)
     await asyncio.sleep(0.02)
+    sent = list(calls.sent)
+    calls.gates[0].set()  # a slot frees while the burst's calls run: nothing is sent twice
+    await asyncio.sleep(0.25)
+    while not all(gate.is_set() for gate in calls.gates):
+        for gate in calls.gates:
+            gate.set()
+        await asyncio.sleep(0.05)  # a call started meanwhile gets its gate set too
+    names = [name for call in calls.sent for name in call]
+    assert sorted(names) == sorted({"a", *(f"i{n}" for n in range(len(sizes)))})
+    return sent
 
 
 async def test_a_burst_is_spread_over_the_free_slots(monkeypatch) -> None:
@@ -165,19 +177,33 @@ async def test_a_burst_is_spread_over_the_free_slots(monkeypatch) -> None:
     items of 8 images and at least 16 images a call make three calls of two items."""
     calls = Calls()
     dispatcher = _spreading(calls, spread_images=16)
-    await _gathered_burst(dispatcher, calls, monkeypatch, [8] * 6)
-    assert calls.sent == [["a"], ["i0", "i1"], ["i2", "i3"], ["i4", "i5"]]
-    for gate in calls.gates:
-        gate.set()
+    sent = await _gathered_burst(dispatcher, calls, monkeypatch, [8] * 6)
+    assert sent == [["a"], ["i0", "i1"], ["i2", "i3"], ["i4", "i5"]]
 
 
 async def test_spread_calls_share_the_images_not_the_items(monkeypatch) -> None:
     calls = Calls()
     dispatcher = _spreading(calls, spread_images=8)
-    await _gathered_burst(dispatcher, calls, monkeypatch, [16, 4, 4, 4, 4])
-    assert calls.sent == [["a"], ["i0"], ["i1", "i2"], ["i3", "i4"]]  # 16, 8 and 8 images
-    for gate in calls.gates:
-        gate.set()
+    sent = await _gathered_burst(dispatcher, calls, monkeypatch, [16, 4, 4, 4, 4])
+    assert sent == [["a"], ["i0"], ["i1", "i2"], ["i3", "i4"]]  # 16, 8 and 8 images
+
+
+@pytest.mark.parametrize(
+    ("spread_images", "sizes", "expected"),
+    [
+        (16, [8, 8, 8, 8, 1], [["i0", "i1"], ["i2", "i3", "i4"]]),
+        (2, [100, 1, 1, 1], [["i0"], ["i1", "i2", "i3"]]),
+    ],
+)
+async def test_no_spread_call_falls_short_of_the_minimum(
+    monkeypatch, spread_images, sizes, expected
+) -> None:
+    """Lumpy items: what an equal share would leave in a call of fewer than spread_images
+    images joins the call before it."""
+    calls = Calls()
+    dispatcher = _spreading(calls, spread_images=spread_images)
+    sent = await _gathered_burst(dispatcher, calls, monkeypatch, sizes)
+    assert sent == [["a"], *expected]
 
 
 async def test_no_spread_below_the_minimum_or_when_off(monkeypatch) -> None:
@@ -186,17 +212,13 @@ async def test_no_spread_below_the_minimum_or_when_off(monkeypatch) -> None:
     for spread_images in (16, 0):
         calls = Calls()
         dispatcher = _spreading(calls, spread_images=spread_images)
-        await _gathered_burst(dispatcher, calls, monkeypatch, [8] * 3)
-        assert calls.sent == [["a"], ["i0", "i1", "i2"]]
-        for gate in calls.gates:
-            gate.set()
+        sent = await _gathered_burst(dispatcher, calls, monkeypatch, [8] * 3)
+        assert sent == [["a"], ["i0", "i1", "i2"]]
 
 
 async def test_no_spread_without_free_slots(monkeypatch) -> None:
     """Under full load calls stay full: with one slot free the burst goes in one call."""
     calls = Calls()
     dispatcher = _spreading(calls, spread_images=8, max_calls=2)
-    await _gathered_burst(dispatcher, calls, monkeypatch, [8] * 6)
-    assert calls.sent == [["a"], [f"i{n}" for n in range(6)]]
-    for gate in calls.gates:
-        gate.set()
+    sent = await _gathered_burst(dispatcher, calls, monkeypatch, [8] * 6)
+    assert sent == [["a"], [f"i{n}" for n in range(6)]]
