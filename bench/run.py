@@ -737,7 +737,7 @@ def _line(row: dict) -> str:
 def _busiest(process: dict | None) -> str:
     if not process or not process["name"]:
         return ""
-    name = process["name"].removeprefix("ray::ServeReplica:").split(":")[-1]
+    name = process["name"].split(":")[-1]  # ray::ServeReplica:APP:Ingress -> Ingress
     return f", the busiest process ({name}) {process['cores']:.2f} cores"
 
 

@@ -122,8 +122,8 @@ class Dispatcher(Generic[P]):
         free = self._max_calls - self._running
         if not self._spread_images or free < 2 or len(self._queue) > self._max_per_call:
             return []
-        live = [item for item, _ in self._queue if not item.done]
-        total = sum(map(self._images, live))
+        live = [(item, self._images(item)) for item, _ in self._queue if not item.done]
+        total = sum(images for _, images in live)
         calls = min(free, total // self._spread_images, len(live))
         if calls < 2:
             return []
@@ -131,13 +131,12 @@ class Dispatcher(Generic[P]):
         share = total // calls
         groups: list[list[P]] = [[]]
         placed = own = 0  # images in the groups so far, and in the last one
-        for item in live:
+        for item, images in live:
             full = own >= self._spread_images and placed >= share * len(groups)
             if full and len(groups) < calls:
                 groups.append([])
                 own = 0
             groups[-1].append(item)
-            images = self._images(item)
             placed, own = placed + images, own + images
         if len(groups) > 1 and own < self._spread_images:  # lumpy items: the last one short
             groups[-2].extend(groups.pop())
