@@ -161,6 +161,10 @@ class AppConfig(_Strict):
     # How stage calls travel: `handle`, Serve's DeploymentHandle calls; `port`, a gRPC port
     # of each stage replica's own, with the handle as fallback (serve_app/stage_port.py).
     stage_calls: Literal["handle", "port"] = "handle"
+    # With `stage_calls: port`: shared memory (/dev/shm) each ingress replica may use to hand
+    # requests' images to stage replicas on its node instead of sending them in the call
+    # (serve_app/shared_images.py); 0: calls carry the images.
+    shared_images_bytes: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _stages_in_order(self) -> AppConfig:

@@ -15,6 +15,7 @@ import asyncio
 import logging
 
 import grpc
+import ray
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from ray import serve
@@ -63,7 +64,13 @@ class Ingress:
         registry = ModelRegistry(RayStore(), self._config.instance)
         if stages:
             port = self._config.stage_calls == "port"
-            chain = StageChain(list(stages), registry if port else None, self._config.stage_token)
+            chain = StageChain(
+                list(stages),
+                registry if port else None,
+                self._config.stage_token,
+                ray.util.get_node_ip_address(),
+                self._config.shared_images_bytes,
+            )
             logger.info("stage calls from the ingress: %s", chain.transport)
             info, run = chain.info, chain.run
             self._chain = chain

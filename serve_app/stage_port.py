@@ -38,6 +38,7 @@ import grpc
 
 from serve_app.messages import Batch
 from serve_app.registry import ModelRegistry
+from serve_app.shared_images import ImageReader, ImageWriter, SharedImagesMissing
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class StagePort:
     def __init__(self, run: Callable[[Batch], Awaitable[Any]], token: str) -> None:
         self._run, self._token = run, token.encode()
         self._server: grpc.aio.Server | None = None
+        self._images = ImageReader()
         self.address = ""
         self.calls = 0  # calls answered (tests: the port, not the handle, carried them)
 
@@ -80,7 +82,10 @@ class StagePort:
         if not hmac.compare_digest(token.encode(), self._token):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "not a stage call of this app")
         try:
-            reply = (True, await self._run(pickle.loads(request)))
+            batch, shared = pickle.loads(request)
+            if shared is not None:
+                batch = self._images.restore(batch, shared)
+            reply = (True, await self._run(batch))
         except Exception as exc:
             reply = (False, exc)
         self.calls += 1
@@ -92,12 +97,15 @@ class StagePort:
     async def stop(self, grace_s: float) -> None:
         if self._server is not None:
             await self._server.stop(grace=grace_s)
+        self._images.close()
 
 
 class PortCalls:
     """Calls to one stage deployment over its replicas' ports, by handle where none is known.
 
-    `fallback(batch)`: the same call through Serve's handle; `token`: the stage token."""
+    `fallback(batch)`: the same call through Serve's handle; `token`: the stage token;
+    `node`: this process's node address, and `shared_bytes` of shared memory to hand images
+    to the replicas there (serve_app/shared_images.py; 0: calls carry them)."""
 
     def __init__(
         self,
@@ -105,9 +113,14 @@ class PortCalls:
         deployment: str,
         fallback: Callable[[Batch], Awaitable[Any]],
         token: str,
+        node: str = "",
+        shared_bytes: int = 0,
     ) -> None:
         self._registry, self._deployment, self._fallback = registry, deployment, fallback
         self._metadata = ((TOKEN_KEY, token),)
+        self._node = node
+        self._images = ImageWriter(shared_bytes) if shared_bytes and node else None
+        self._unshared: set[str] = set()  # addresses that could not map this node's memory
         self._channels: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
         self._open: dict[str, grpc.aio.Channel] = {}
         self._in_flight: dict[str, int] = {}
@@ -118,7 +131,8 @@ class PortCalls:
 
     @property
     def transport(self) -> str:
-        return f"over the {self._deployment} replicas' own gRPC ports (stage_calls: port)"
+        shared = ", images through shared memory on this node" if self._images else ""
+        return f"over the {self._deployment} replicas' own gRPC ports (stage_calls: port){shared}"
 
     async def run(self, batch: Batch) -> Any:
         if self._refresh_task is None and self._following:
@@ -129,8 +143,7 @@ class PortCalls:
             return await self._fallback(batch)
         self._in_flight[address] += 1
         try:
-            request = pickle.dumps(batch, pickle.HIGHEST_PROTOCOL)
-            reply = await self._channels[address](request, metadata=self._metadata)
+            ok, value = await self._call(address, batch)
         except grpc.aio.AioRpcError as exc:
             logger.warning(
                 "the stage port %s failed (%s); this call goes by handle and the address is "
@@ -144,10 +157,40 @@ class PortCalls:
         finally:
             if address in self._in_flight:
                 self._in_flight[address] -= 1
-        ok, value = pickle.loads(reply)
         if not ok:
             raise value
         return value
+
+    async def _call(self, address: str, batch: Batch) -> tuple[bool, Any]:
+        """One call over the port: the images through shared memory where the replica is on
+        this node, in the call otherwise (and again in the call if it cannot map them)."""
+        shared = None
+        here = address.rsplit(":", 1)[0] == self._node and address not in self._unshared
+        if self._images is not None and here:
+            shared = self._images.put(batch)
+        if shared is not None:
+            name = shared[1].name
+            try:
+                ok, value = await self._send(address, shared)
+            except BaseException:  # the callee may still read it: not lent again
+                self._images.release(name, reuse=False)
+                raise
+            missing = not ok and isinstance(value, SharedImagesMissing)
+            self._images.release(name, reuse=not missing)
+            if not missing:
+                return ok, value
+            logger.warning(
+                "the stage replica at %s cannot map this node's shared memory (%s); calls "
+                "to it carry their images",
+                address,
+                value,
+            )
+            self._unshared.add(address)
+        return await self._send(address, (batch, None))
+
+    async def _send(self, address: str, message: tuple) -> tuple[bool, Any]:
+        request = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+        return pickle.loads(await self._channels[address](request, metadata=self._metadata))
 
     def _pick(self) -> str | None:
         """The address with the fewest of this caller's calls in flight (ties at random)."""
@@ -195,3 +238,5 @@ class PortCalls:
         self.stop()
         for address in list(self._channels):
             self._drop(address)
+        if self._images is not None:
+            self._images.close()

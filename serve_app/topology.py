@@ -100,16 +100,21 @@ class StageChain:
         handles: list[DeploymentHandle],
         registry: ModelRegistry | None = None,
         token: str = "",
+        node: str = "",
+        shared_bytes: int = 0,
     ) -> None:
         """`registry`: with `stage_calls: port`, where the first group's replicas report
         their ports (`token`: the stage token); each group then calls the next itself
-        (serve_app/app.py), so the ingress makes one call, over a port (stage_port.py)."""
+        (serve_app/app.py), so the ingress makes one call, over a port (stage_port.py),
+        handing the images to replicas on its `node` in `shared_bytes` of shared memory."""
         self._handles = handles  # the last one holds inference
         self._single = StageHandle(handles[0]) if len(handles) == 1 else None
         self._port = None
         if registry is not None:
             first = self._single or StageHandle(handles[0])
-            self._port = PortCalls(registry, handles[0].deployment_name, first.run, token)
+            self._port = PortCalls(
+                registry, handles[0].deployment_name, first.run, token, node, shared_bytes
+            )
 
     async def run(self, batch: Batch) -> list[Answer]:
         if self._port is not None:

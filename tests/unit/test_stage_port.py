@@ -5,10 +5,12 @@ comes back; with no address, or a port that fails, the call goes by handle and l
 from __future__ import annotations
 
 import asyncio
+import os
 
 import grpc
 import pytest
 
+from serve_app import shared_images
 from serve_app.errors import ModelNotFound
 from serve_app.messages import Batch, Job
 from serve_app.registry import MemoryStore, ModelRegistry
@@ -150,5 +152,85 @@ async def test_a_stopped_caller_reads_no_more_addresses_and_its_calls_go_on() ->
     assert calls._refresh_task.cancelled()
     assert (await calls.run(_batch()))[0] == "r1" and port.calls == 2
     assert CountingRegistry.reads == reads
+    await calls.close()
+    await port.stop(0)
+
+
+class ImagesStage(Stage):
+    """Answers with the images it was given."""
+
+    async def run(self, batch: Batch) -> list[bytes]:
+        return [image for job in batch.jobs for image in job.images]
+
+
+class SizedPort(StagePort):
+    """Records the size of each call it receives."""
+
+    sizes: list[int]
+
+    async def _call(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        self.sizes.append(len(request))
+        return await super()._call(request, context)
+
+
+def _photos_batch() -> Batch:
+    jpeg, png = b"\xff\xd8" + bytes(range(256)) * 400, b"\x89PNG" + b"x" * 50_000
+    return Batch(
+        jobs=(Job(id="a", images=(jpeg, png)), Job(id="b", images=(png + b"2", jpeg + b"2")))
+    )
+
+
+async def _sized_port(registry: ModelRegistry) -> SizedPort:
+    port = SizedPort(ImagesStage("r1").run, TOKEN)
+    port.sizes = []
+    registry.report("Inference", "r1", [], address=await port.start("127.0.0.1"))
+    return port
+
+
+def _segments() -> set[str]:
+    return {p.name for p in shared_images.SHM_DIR.glob(f"{shared_images.PREFIX}{os.getpid()}-*")}
+
+
+async def test_images_for_a_replica_on_this_node_go_through_shared_memory() -> None:
+    registry = ModelRegistry(MemoryStore(), "app")
+    port = await _sized_port(registry)
+    before = _segments()
+    calls = PortCalls(registry, "Inference", Fallback(), TOKEN, "127.0.0.1", 64 << 20)
+    calls.update(set(registry.addresses("Inference")))
+    batch = _photos_batch()
+    images = [image for job in batch.jobs for image in job.images]
+    for _ in range(3):  # the segment is lent to each call in turn
+        assert await calls.run(batch) == images
+    assert len(_segments() - before) == 1
+    assert max(port.sizes) < 2_000 < sum(map(len, images))  # the call carried no image
+    await calls.close()
+    assert _segments() == before  # unlinked as the caller closes
+    await port.stop(0)
+
+
+async def test_images_travel_in_the_call_to_another_node_or_where_they_cannot_be_mapped():
+    registry = ModelRegistry(MemoryStore(), "app")
+    port = await _sized_port(registry)
+    batch = _photos_batch()
+    images = [image for job in batch.jobs for image in job.images]
+    elsewhere = PortCalls(registry, "Inference", Fallback(), TOKEN, "10.1.2.3", 64 << 20)
+    elsewhere.update(set(registry.addresses("Inference")))
+    assert await elsewhere.run(batch) == images
+    assert min(port.sizes) > sum(map(len, images))
+    await elsewhere.close()
+
+    def cannot_map(name: str):
+        raise shared_images.SharedImagesMissing(f"no {name} here")
+
+    port._images._map = cannot_map  # as a replica in another container would fail
+    port.sizes.clear()
+    calls = PortCalls(registry, "Inference", Fallback(), TOKEN, "127.0.0.1", 64 << 20)
+    calls.update(set(registry.addresses("Inference")))
+    before = _segments()
+    assert await calls.run(batch) == images  # sent again with the images
+    assert await calls.run(batch) == images  # and from then on with them
+    small, *big = port.sizes
+    assert small < 2_000 and all(size > sum(map(len, images)) for size in big) and len(big) == 2
+    assert _segments() <= before  # the segment it could not map is gone
     await calls.close()
     await port.stop(0)
