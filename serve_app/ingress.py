@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import grpc
 import ray
@@ -172,6 +173,10 @@ class Ingress:
     def requests_started(self) -> int:
         """Requests that reached the pipeline (tests: rejected calls must not count)."""
         return self._core.requests_started
+
+    def pid(self) -> int:
+        """This replica's process (tests: whose shared-memory segments are whose)."""
+        return os.getpid()
 
     def memory_bytes(self) -> int:
         """Resident memory of this replica's process (soak test)."""

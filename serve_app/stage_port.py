@@ -82,9 +82,9 @@ class StagePort:
         if not hmac.compare_digest(token.encode(), self._token):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "not a stage call of this app")
         try:
-            batch, shared = pickle.loads(request)
-            if shared is not None:
-                batch = self._images.restore(batch, shared)
+            batch = pickle.loads(request)
+            if isinstance(batch, tuple):  # (batch, SharedImages): its images in shared memory
+                batch = self._images.restore(*batch)
             reply = (True, await self._run(batch))
         except Exception as exc:
             reply = (False, exc)
@@ -186,9 +186,9 @@ class PortCalls:
                 value,
             )
             self._unshared.add(address)
-        return await self._send(address, (batch, None))
+        return await self._send(address, batch)
 
-    async def _send(self, address: str, message: tuple) -> tuple[bool, Any]:
+    async def _send(self, address: str, message: Batch | tuple) -> tuple[bool, Any]:
         request = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
         return pickle.loads(await self._channels[address](request, metadata=self._metadata))
 

@@ -268,7 +268,8 @@ def start_app(name: str, model_repository: Path, **args: object):
 def server(request, ray_cluster, two_versions: Path) -> str:
     """The whole application under real Ray Serve, gRPC on a free loopback port, in each
     topology (serve_app/topology.py), serving the highest of two versions in its repository;
-    `chained-port`: chained, the stage calls over the replicas' ports (stage_port.py)."""
+    `chained-port`: chained, the stage calls over the replicas' ports (stage_port.py), the
+    images to Preprocess through shared memory (shared_images.py)."""
     from ray import serve
 
     topology, _, calls = request.param.partition("-")
@@ -277,6 +278,7 @@ def server(request, ray_cluster, two_versions: Path) -> str:
         two_versions,
         topology=topology,
         stage_calls=calls or "handle",
+        shared_images_bytes=(64 << 20) if calls == "port" else 0,
         engine={"kind": "onnxruntime"},
         limits={"max_images_per_request": 16},
     )

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -22,6 +23,7 @@ from engines.base import normalize
 from engines.images import decode
 from engines.scores import softmax
 from raystream.v1 import classifier_pb2 as pb
+from serve_app import shared_images
 
 from conftest import ROOT
 
@@ -373,7 +375,8 @@ async def test_a_client_that_disconnects_leaves_no_work_behind(server, photos, r
 
 async def test_stage_calls_travel_as_configured(server, photos, request) -> None:
     """`stage_calls: port`: every stage replica answers calls over its own port once the
-    callers read the addresses (within a second or two); by handle, none does."""
+    callers read the addresses (within a second or two), and the ingress hands the images
+    to Preprocess through shared memory; by handle, none does."""
     from ray import serve
 
     topology, _, calls = request.node.callspec.params["server"].partition("-")
@@ -392,6 +395,13 @@ async def test_stage_calls_travel_as_configured(server, photos, request) -> None
             break
         await asyncio.sleep(0.25)
     assert all(counts) if calls == "port" else not any(counts), counts
+    if calls == "port" and shutil.disk_usage(shared_images.SHM_DIR).total >= 128 << 20:
+        owners = {  # the processes whose segments are in /dev/shm: the ingress replica's
+            int(path.name.removeprefix(shared_images.PREFIX).split("-")[0])
+            for path in shared_images.SHM_DIR.glob(f"{shared_images.PREFIX}*")
+        }
+        ingress = request.config.raystream_ingress
+        assert await ingress.pid.remote() in owners, "the images went in the calls"
 
 
 def _metric(text: str, name: str, **labels: str) -> float:
