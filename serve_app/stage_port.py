@@ -9,7 +9,9 @@ whole micro-batches, but at small batches (one-image requests, low load) those c
 a large part of an image's CPU and latency. So, with `stage_calls: port`, each stage replica
 also serves its `run` on a port of its own (StagePort) and reports the address with its
 models in the registry (serve_app/registry.py); a caller (PortCalls) sends each batch,
-pickled, to the replica of the next deployment with the fewest of its own calls in flight.
+pickled, to the replica of the next deployment with the fewest of its own calls in flight
+(the images in it through shared memory where that replica is on the caller's node:
+serve_app/shared_images.py).
 
 Serve still places, starts, scales, stops and health-checks the replicas; the handles still
 carry everything else (what is served, model lifecycle). A call goes by handle when
@@ -131,7 +133,7 @@ class PortCalls:
 
     @property
     def transport(self) -> str:
-        shared = ", images through shared memory on this node" if self._images else ""
+        shared = ", images through shared memory on this node" if self._images is not None else ""
         return f"over the {self._deployment} replicas' own gRPC ports (stage_calls: port){shared}"
 
     async def run(self, batch: Batch) -> Any:
