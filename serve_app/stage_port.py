@@ -167,8 +167,8 @@ class PortCalls:
         """One call over the port: the images through shared memory where the replica is on
         this node, in the call otherwise (and again in the call if it cannot map them)."""
         shared = None
-        here = address.rsplit(":", 1)[0] == self._node and address not in self._unshared
-        if self._images is not None and here:
+        on_this_node = address.rsplit(":", 1)[0] == self._node
+        if self._images is not None and on_this_node and address not in self._unshared:
             shared = self._images.put(batch)
         if shared is not None:
             name = shared[1].name
