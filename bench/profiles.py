@@ -1,5 +1,5 @@
-"""Where a server's CPU goes during a load: py-spy samples one process per kind (the first
-Ingress replica, the first Inference replica, ...) over the load's measured window, and the
+"""Where a server's CPU goes during a load: py-spy samples one process per kind (the busiest
+Ingress replica, the busiest Inference replica, ...) over the load's measured window, and the
 samples are summed per function.
 
     python bench/run.py SCENARIO --profile [native|gil]   (py-spy on PATH: pip install py-spy)

@@ -179,14 +179,18 @@ class ServerProcesses:
             return any(f"RAY_RAYLET_PID={r}".encode() in env for r in self.raylets)
         return False
 
-    def one_per_kind(self, containing: str = "") -> dict[str, int]:
-        """{process name: pid}: the first process of each name that holds `containing` (one
-        replica per deployment, ...)."""
-        found: dict[str, int] = {}
-        for (pid, _), (_, name) in sorted(self.scan().items()):
+    def busiest_per_kind(self, containing: str = "", seconds: float = 0.5) -> dict[str, int]:
+        """{process name: pid}: of each name that holds `containing`, the process that used
+        the most CPU over the next `seconds` (one replica per deployment: on a one-connection
+        load, the ingress replica that holds the connection)."""
+        before = self.scan()
+        time.sleep(seconds)
+        busiest: dict[str, tuple[int, int]] = {}  # name: (ticks, pid)
+        for (pid, start), (ticks, name) in sorted(self.scan().items()):
             if containing in name:
-                found.setdefault(name, pid)
-        return found
+                spent = ticks - before.get((pid, start), (ticks, name))[0]
+                busiest[name] = max(busiest.get(name, (-1, pid)), (spent, pid))
+        return {name: pid for name, (_, pid) in busiest.items()}
 
     def settle(
         self, most_s: float, quiet_cores: float = 2.0, step_s: float = 3.0, quiet_steps: int = 2
@@ -350,7 +354,7 @@ def run_grpc_load(
             sampler = threading.Thread(target=watch, daemon=True)
             sampler.start()
             if profile:
-                replicas = tree.one_per_kind("ServeReplica")
+                replicas = tree.busiest_per_kind("ServeReplica")
                 recording = profiles.Recording(replicas, start, end, path.with_suffix(""), profile)
             threading.Thread(target=sample, args=(start, end), daemon=True).start()
             gpu_sampler = threading.Thread(target=sample_gpu, args=(start, end), daemon=True)
