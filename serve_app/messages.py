@@ -12,12 +12,14 @@ A row of `crops` (or of `tensors`) is one image; `owners[r] = (job, image)` says
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
 from engines import EngineInfo
+from serve_app.request_images import buffers
 
 NO_OWNERS = np.empty((0, 2), np.int32)
 
@@ -51,7 +53,8 @@ class Job:
     """One request, whichever protocol it came in."""
 
     id: str  # request_id / OIP id, already bounded by the ingress
-    images: tuple[bytes, ...] = ()  # encoded images, or
+    # encoded images (a tuple, or spans of the request as received: request_images.py), or
+    images: Sequence[bytes] = ()
     pixels: np.ndarray | None = None  # float32 (N, C, H, W) preprocessed by the client
     top_k: int = 5
     labels: bool = True  # the top_k labels per image (computed only for jobs that ask)
@@ -124,7 +127,7 @@ class Batch:
 
     def nbytes(self) -> int:
         """About what this batch weighs in a message: its images, tensors and results."""
-        total = sum(len(image) for job in self.jobs for image in job.images)
+        total = sum(len(image) for job in self.jobs for image in buffers(job.images))
         total += sum(job.pixels.nbytes for job in self.jobs if job.pixels is not None)
         total += sum(len(jpeg) for jpeg in self.jpegs)
         arrays = (self.crops, self.top_ids, self.top_scores, self.probabilities, self.embeddings)

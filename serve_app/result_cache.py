@@ -37,6 +37,7 @@ import blake3
 
 from serve_app.answers import failed, oip_answer, oip_widths, v1_answer
 from serve_app.messages import Answer, Failure, Fragment, Job, Served, StageTiming
+from serve_app.request_images import buffers
 
 # What an entry costs beyond its key's and fragment's bytes: the OrderedDict's node and the
 # objects' headers (tracemalloc: ~140 bytes for a v1 fragment, a node of ~75 and two bytes
@@ -100,7 +101,7 @@ def image_keys(job: Job, routing: int = 0) -> list[bytes]:
     """Each image's key: the hash of what was asked, then of its bytes."""
     base = blake3.blake3(asked(job, routing))
     keys = []
-    for image in job.images:
+    for image in buffers(job.images):
         h = base.copy()
         h.update(image)
         keys.append(h.digest(KEY_BYTES))

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serve_app.messages import Batch
+from serve_app.request_images import buffers
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,8 @@ class ImageWriter:
         """`batch` without its images, and where they now lie; None where the batch has no
         images or no room is left (the call then carries them). `release` the name after
         the call."""
-        sizes = tuple(tuple(len(image) for image in job.images) for job in batch.jobs)
+        images = [buffers(job.images) for job in batch.jobs]  # no copies before the one here
+        sizes = tuple(tuple(len(image) for image in mine) for mine in images)
         total = sum(sum(s) for s in sizes)
         if not total:
             return None
@@ -99,8 +101,8 @@ class ImageWriter:
         if segment is None:
             return None
         at = 0
-        for job in batch.jobs:
-            for image in job.images:
+        for mine in images:
+            for image in mine:
                 segment.map[at : at + len(image)] = image
                 at += len(image)
         jobs = tuple(dataclasses.replace(job, images=()) for job in batch.jobs)

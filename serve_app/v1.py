@@ -18,9 +18,11 @@ from serve_app.core import ServingCore
 from serve_app.errors import DuplicateRequest, InvalidArgument, RaystreamError, clip
 from serve_app.messages import Answer, Job
 from serve_app.pixels import client_pixels
+from serve_app.request_images import split_images
 from serve_app.streams import StreamRunner
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ImageClassifier"].full_name
+IMAGES_FIELD = pb.ClassifyRequest.DESCRIPTOR.fields_by_name["images"].number
 REPLICA_METADATA = "raystream-replica"
 
 
@@ -52,10 +54,12 @@ def outputs(requested: Sequence[int]) -> tuple[bool, bool]:
 @dataclass(frozen=True)
 class _Read:
     """A message read from a stream: its size on the wire (what it holds in memory), and the
-    request, or None if the bytes are not a ClassifyRequest."""
+    request without its images and the images, or None if the bytes are not a
+    ClassifyRequest."""
 
     raw: bytes
     request: pb.ClassifyRequest | None
+    images: Sequence[bytes] = ()
 
     @property
     def size(self) -> int:
@@ -64,13 +68,21 @@ class _Read:
 
 async def _parsed(messages: AsyncIterator[bytes]) -> AsyncIterator[_Read]:
     """Parsed here rather than by gRPC: the size comes free (ByteSize re-encodes the whole
-    message), and a malformed message fails alone instead of ending the stream."""
+    message), a malformed message fails alone instead of ending the stream, and the images
+    stay in the message as received (serve_app/request_images.py)."""
     async for raw in messages:
+        split = split_images(raw, IMAGES_FIELD)
         try:
-            request = pb.ClassifyRequest.FromString(raw)
+            if split is None:
+                request = pb.ClassifyRequest.FromString(raw)
+                images = tuple(request.images)
+            else:
+                rest, images = split
+                request = pb.ClassifyRequest.FromString(rest)
         except DecodeError:
-            request = None
-        yield _Read(raw, request)
+            yield _Read(raw, None)
+            continue
+        yield _Read(raw, request, images)
 
 
 class ClassifierService:
@@ -98,12 +110,14 @@ class ClassifierService:
     def _start(
         self,
         request: pb.ClassifyRequest,
+        images: Sequence[bytes],
         reply: Callable[[Answer], None],
         context: grpc.aio.ServicerContext,
         flow: str,
         stream: str,
     ):
-        """Check `request` and hand it to the core; refusals are answered at once."""
+        """Check `request` (its `images` apart) and hand it to the core; refusals are
+        answered at once."""
         core = self._core
         job = Job(id=core.bounded_id(request.request_id))
         try:
@@ -115,7 +129,7 @@ class ClassifierService:
                 core.check_embedding(model)
             pixels = None
             if request.HasField("pixels"):
-                if request.images:
+                if images:
                     raise InvalidArgument("send images or pixels in a request, not both")
                 tensor = request.pixels
                 pixels = client_pixels(
@@ -123,7 +137,7 @@ class ClassifierService:
                 )
             job = Job(
                 id=job.id,
-                images=tuple(request.images),
+                images=images,
                 pixels=pixels,
                 top_k=top_k,
                 labels=labels,
@@ -146,7 +160,9 @@ class ClassifierService:
                 exc = InvalidArgument("message is not a raystream.v1.ClassifyRequest")
                 self._core.refuse(Job(id=""), exc, lambda a: reply(a.payload), stream)
                 return
-            handle = self._start(read.request, lambda a: reply(a.payload), context, stream, stream)
+            handle = self._start(
+                read.request, read.images, lambda a: reply(a.payload), context, stream, stream
+            )
             if handle is not None:
                 pending.append(handle)
                 if len(pending) > 256:  # forget the answered ones now and then
@@ -191,7 +207,8 @@ class ClassifierService:
 
     async def ClassifyOnce(self, request, context):
         future = asyncio.get_running_loop().create_future()
-        self._start(request, future.set_result, context, context.peer(), "unary")
+        images = tuple(request.images)
+        self._start(request, images, future.set_result, context, context.peer(), "unary")
         return (await future).payload
 
     async def GetModelInfo(self, request, context):

@@ -205,7 +205,8 @@ async def test_a_model_from_before_embeddings_refuses_embedding_requests(
     # raystream.v1: the request is answered at once, INVALID_ARGUMENT
     answered = []
     request = pb.ClassifyRequest(request_id="e", images=[photos["chelsea"]], outputs=[2])
-    v1.ClassifierService(core, StreamRunner(8))._start(request, answered.append, None, "f", "s")
+    service = v1.ClassifierService(core, StreamRunner(8))
+    service._start(request, tuple(request.images), answered.append, None, "f", "s")
     (refused,) = [pb.ClassifyResponse.FromString(a.payload) for a in answered]
     assert refused.error.code == INVALID_ARGUMENT and not refused.results
     assert "has no embedding output" in refused.error.message

@@ -1,0 +1,114 @@
+"""A request's images left where gRPC put them: spans of the received message, not copies.
+
+The ingress replica that holds a client's connection reads every request on it, so what it
+does per request bounds what the connection gets. gRPC hands it each message as one bytes
+object; parsing it with protobuf copies the whole message (0.69 MB for a request of 8
+photos), and taking its images out copies them again, before the shared-memory handoff
+copies them a third time. Instead, `split_images` walks the message's top-level fields
+(protobuf's wire format: a key, then a value whose length the key's wire type gives), keeps
+the images as (start, end) spans of the message, and leaves protobuf the rest to parse:
+a few hundred bytes.
+
+`ImageSpans` is a sequence of bytes like the tuple it replaces: indexing or iterating gives
+each image as bytes (a copy, where a decoder or hash needs one); `buffers` gives them as
+views, for the copies into shared memory; pickled, it travels as the one message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+LENGTH_DELIMITED = 2
+_FIXED = {1: 8, 5: 4}  # wire type: bytes (64-bit, 32-bit)
+
+
+class ImageSpans(Sequence[bytes]):
+    __slots__ = ("_message", "_spans")
+
+    def __init__(self, message: bytes, spans: tuple[tuple[int, int], ...]) -> None:
+        self._message = message
+        self._spans = spans
+
+    def __len__(self) -> int:
+        return len(self._spans)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(len(self))))
+        start, end = self._spans[index]
+        return self._message[start:end]
+
+    def __iter__(self) -> Iterator[bytes]:
+        return (self._message[start:end] for start, end in self._spans)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"ImageSpans({len(self)} images, {len(self._message)} bytes of message)"
+
+    def __reduce__(self):
+        return ImageSpans, (self._message, self._spans)
+
+    def views(self) -> list[memoryview]:
+        message = memoryview(self._message)
+        return [message[start:end] for start, end in self._spans]
+
+
+def buffers(images: Sequence[bytes]) -> Sequence[bytes | memoryview]:
+    """`images` without copying them: views of a message's spans, or the bytes themselves."""
+    return images.views() if isinstance(images, ImageSpans) else images
+
+
+def split_images(message: bytes, field: int) -> tuple[bytes, ImageSpans] | None:
+    """(`message` without its `field` entries, those entries' values as spans), for a
+    length-delimited repeated field; None where `message` is not well-formed wire format
+    (parse it whole then: protobuf says what is wrong)."""
+    rest: list[bytes] = []
+    spans: list[tuple[int, int]] = []
+    position, end = 0, len(message)
+    while position < end:
+        start = position
+        key, position = _varint(message, position)
+        if position < 0 or key >> 3 == 0:
+            return None
+        kind = key & 7
+        if kind == 0:
+            _, position = _varint(message, position)
+        elif kind in _FIXED:
+            position += _FIXED[kind]
+        elif kind == LENGTH_DELIMITED:
+            length, position = _varint(message, position)
+            if position < 0 or position + length > end:
+                return None
+            if key >> 3 == field:
+                spans.append((position, position + length))
+                position += length
+                continue
+            position += length
+        else:  # groups (proto2) or not wire format at all
+            return None
+        if position < 0 or position > end:
+            return None
+        rest.append(message[start:position])
+    return b"".join(rest), ImageSpans(message, tuple(spans))
+
+
+def _varint(data: bytes, position: int) -> tuple[int, int]:
+    """(value, position after it); position -1 where `data` ends inside it or it runs past
+    ten bytes."""
+    if position < len(data) and data[position] < 0x80:  # most keys and small values
+        return data[position], position + 1
+    value = shift = 0
+    for index in range(position, min(position + 10, len(data))):
+        byte = data[index]
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, index + 1
+        shift += 7
+    return 0, -1
