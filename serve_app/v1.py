@@ -23,6 +23,10 @@ from serve_app.streams import StreamRunner
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ImageClassifier"].full_name
 IMAGES_FIELD = pb.ClassifyRequest.DESCRIPTOR.fields_by_name["images"].number
+# Below this, parsing a message whole and copying its images out costs less than walking its
+# fields in Python (on the 2-core CPU machine, a request of 8 images of 5 KB: 3.9 against
+# 10 us; of 86 KB: 38 against 16).
+SPLIT_MIN_BYTES = 64 << 10
 REPLICA_METADATA = "raystream-replica"
 
 
@@ -68,10 +72,10 @@ class _Read:
 
 async def _parsed(messages: AsyncIterator[bytes]) -> AsyncIterator[_Read]:
     """Parsed here rather than by gRPC: the size comes free (ByteSize re-encodes the whole
-    message), a malformed message fails alone instead of ending the stream, and the images
-    stay in the message as received (serve_app/request_images.py)."""
+    message), a malformed message fails alone instead of ending the stream, and a large
+    message's images stay in it as received (serve_app/request_images.py)."""
     async for raw in messages:
-        split = split_images(raw, IMAGES_FIELD)
+        split = split_images(raw, IMAGES_FIELD) if len(raw) >= SPLIT_MIN_BYTES else None
         try:
             if split is None:
                 request = pb.ClassifyRequest.FromString(raw)

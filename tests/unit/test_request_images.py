@@ -1,7 +1,7 @@
 """A request's images as spans of the message it came in (serve_app/request_images.py): the
 split agrees with protobuf's own parse on every request, refuses what is not wire format,
-and the spans behave as the tuple of bytes they stand for, through pickling and the
-shared-memory handoff."""
+the spans behave as the tuple of bytes they stand for, through pickling and the
+shared-memory handoff, and the raystream.v1 stream takes large requests' images this way."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raystream.v1 import classifier_pb2 as pb
-from serve_app import shared_images
+from serve_app import shared_images, v1
 from serve_app.messages import Batch, Job
 from serve_app.request_images import ImageSpans, buffers, split_images
 from serve_app.shared_images import ImageReader, ImageWriter
@@ -115,3 +115,17 @@ def test_spans_go_into_shared_memory_whole(tmp_path, monkeypatch) -> None:
     assert [tuple(job.images) for job in restored.jobs] == [tuple(photos), (b"xyz",)]
     writer.release(where.name)
     writer.close()
+
+
+async def test_the_stream_keeps_large_requests_images_in_place(photos) -> None:
+    async def messages():
+        yield pb.ClassifyRequest(request_id="big", images=list(photos.values())).SerializeToString()
+        yield pb.ClassifyRequest(request_id="small", images=[b"tiny"]).SerializeToString()
+        yield b"\x12\x05abc"  # cut short
+
+    reads = [read async for read in v1._parsed(messages())]
+    big, small, broken = reads
+    assert len(big.raw) >= v1.SPLIT_MIN_BYTES and isinstance(big.images, ImageSpans)
+    assert big.images == tuple(photos.values()) and big.request.request_id == "big"
+    assert small.images == (b"tiny",) and small.request.request_id == "small"
+    assert broken.request is None
