@@ -11,7 +11,8 @@ a few hundred bytes.
 
 `ImageSpans` is a sequence of bytes like the tuple it replaces: indexing or iterating gives
 each image as bytes (a copy, where a decoder or hash needs one); `buffers` gives them as
-views, for the copies into shared memory; pickled, it travels as the one message.
+views, for the copies into shared memory and the result cache's hash; pickled (a stage call
+that carries its images), it becomes that tuple.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ class ImageSpans(Sequence[bytes]):
         return f"ImageSpans({len(self)} images, {len(self._message)} bytes of message)"
 
     def __reduce__(self):
-        return ImageSpans, (self._message, self._spans)
+        # A plain tuple on the other side: a stage replica of another raystream version
+        # (during a rolling update) reads it too.
+        return tuple, (tuple(self),)
 
     def views(self) -> list[memoryview]:
         message = memoryview(self._message)
