@@ -11,8 +11,9 @@ a few hundred bytes.
 
 `ImageSpans` is a sequence of bytes like the tuple it replaces: indexing or iterating gives
 each image as bytes (a copy, where a decoder or hash needs one); `buffers` gives them as
-views, for the copies into shared memory and the result cache's hash; pickled (a stage call
-that carries its images), it becomes that tuple.
+views, for the copies into shared memory and the result cache's hash, and `pick` some of them
+(the result cache's misses) still as spans; pickled (a stage call that carries its images),
+it becomes that tuple.
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ class ImageSpans(Sequence[bytes]):
     def views(self) -> list[memoryview]:
         message = memoryview(self._message)
         return [message[start:end] for start, end in self._spans]
+
+
+def pick(images: Sequence[bytes], positions: Sequence[int]) -> Sequence[bytes]:
+    """The images at `positions`, in that order, without copying them."""
+    if isinstance(images, ImageSpans):
+        return ImageSpans(images._message, tuple(images._spans[p] for p in positions))
+    return tuple(images[p] for p in positions)
 
 
 def buffers(images: Sequence[bytes]) -> Sequence[bytes | memoryview]:

@@ -37,7 +37,7 @@ import blake3
 
 from serve_app.answers import failed, oip_answer, oip_widths, v1_answer
 from serve_app.messages import Answer, Failure, Fragment, Job, Served, StageTiming
-from serve_app.request_images import buffers
+from serve_app.request_images import buffers, pick
 
 # What an entry costs beyond its key's and fragment's bytes: the OrderedDict's node and the
 # objects' headers (tracemalloc: ~140 bytes for a v1 fragment, a node of ~75 and two bytes
@@ -219,7 +219,7 @@ class CachedRequests:
             else:
                 lead[key] = [position]
         if lead:
-            images = tuple(request.job.images[mine[0]] for mine in lead.values())
+            images = pick(request.job.images, [mine[0] for mine in lead.values()])
             job = dataclasses.replace(request.job, images=images, count=len(images), fragments=True)
             part = Part(request, job, tuple(lead))
             for key, mine in lead.items():

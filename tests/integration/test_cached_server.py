@@ -13,6 +13,7 @@ from clients.client import Client
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from raystream.v1 import classifier_pb2 as pb
+from serve_app import v1
 
 from conftest import start_app
 
@@ -68,12 +69,11 @@ async def test_repeated_images_are_answered_from_the_cache(
     async with Client(cached_server) as client:
         first = await client.classify_once(pb.ClassifyRequest(images=images, **asked))
         inferred = await _images_inferred()
-        again = [
-            await client.classify_once(
-                pb.ClassifyRequest(request_id=str(i), images=images, **asked)
-            )
-            for i in range(3)
-        ]
+        # Streamed: the images stay spans of the message (serve_app/request_images.py), and
+        # the junk image, never cached, goes to the stages again picked out of them
+        requests = [pb.ClassifyRequest(request_id=str(i), images=images, **asked) for i in range(3)]
+        assert requests[0].ByteSize() >= v1.SPLIT_MIN_BYTES
+        again = sorted([r async for r in client.stream(requests)], key=lambda r: r.request_id)
         # The same photos with other outputs asked: other keys, so the engine runs them
         labels_only = await client.classify_once(pb.ClassifyRequest(images=images, top_k=3))
     assert first.results[0].labels[0].class_id in range(281, 286)  # a cat

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from raystream.v1 import classifier_pb2 as pb
 from serve_app import shared_images, v1
 from serve_app.messages import Batch, Job
-from serve_app.request_images import ImageSpans, buffers, split_images
+from serve_app.request_images import ImageSpans, buffers, pick, split_images
 from serve_app.shared_images import ImageReader, ImageWriter
 from serve_app.v1 import IMAGES_FIELD
 
@@ -89,6 +89,10 @@ def test_spans_read_as_a_tuple_of_bytes() -> None:
     assert all(view.obj is message for view in views)  # views of the message: no copies
     plain = (b"aa",)
     assert buffers(plain) is plain
+    picked = pick(images, [2, 0])
+    assert isinstance(picked, ImageSpans) and picked == (b"c", b"aa")
+    assert all(view.obj is message for view in buffers(picked))
+    assert pick((b"x", b"y", b"z"), [1]) == (b"y",)
 
 
 def test_a_job_with_spans_travels_as_a_tuple_of_its_images() -> None:
