@@ -9,11 +9,10 @@ copies them a third time. Instead, `split_images` walks the message's top-level 
 the images as (start, end) spans of the message, and leaves protobuf the rest to parse:
 a few hundred bytes.
 
-`ImageSpans` is a sequence of bytes like the tuple it replaces: indexing or iterating gives
-each image as bytes (a copy, where a decoder or hash needs one); `buffers` gives them as
-views, for the copies into shared memory and the result cache's hash, and `pick` some of them
-(the result cache's misses) still as spans; pickled (a stage call that carries its images),
-it becomes that tuple.
+`ImageSpans` reads as the tuple of bytes it replaces: indexing or iterating gives each image
+as bytes (a copy, where a decoder needs one). `buffers` gives views instead (the copy into
+shared memory, the result cache's hash), and `pick` some of the images still as spans (the
+cache's misses). Pickled, for a stage call that carries its images, it becomes that tuple.
 """
 
 from __future__ import annotations
