@@ -865,7 +865,7 @@ def main() -> None:
         const="python",
         choices=profiles.MODES,
         help="py-spy one replica per deployment (native: C frames too; gil: only the "
-        "thread holding the GIL, what the process' Python waits for)",
+        "thread holding the GIL, what the process' Python waits for; threads: CPU by thread)",
     )
     parser.add_argument("--baseline-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -874,7 +874,7 @@ def main() -> None:
         return
     if not args.scenarios:
         parser.error("name at least one scenario file")
-    if args.profile and not profiles.available():
+    if args.profile in ("python", "native", "gil") and not profiles.available():
         parser.error("--profile needs py-spy on PATH (pip install py-spy)")
     if args.out is None:
         if os.environ.get("OUT"):
