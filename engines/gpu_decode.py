@@ -12,6 +12,7 @@ path to within a few grey levels, not bit for bit (tests/gpu/test_nvjpeg.py).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import threading
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from engines.cuda_graphs import wait_asleep
+from engines.decode_slots import DecodeSlots
 from engines.images import DecodeLimits, InvalidImage, decode
 from engines.repository import PreprocessSpec
 
@@ -61,12 +63,15 @@ class GpuJpegDecoder:
         limits: DecodeLimits,
         device: str = "cuda",
         decode_batch: BatchDecode | None = None,
+        slots: DecodeSlots | None = None,
     ) -> None:
         """decode_batch: torchvision's batched nvJPEG when None (tests and benchmarks pass
-        others)."""
+        others). slots: every decode holds one of them (engines/decode_slots.py); None: no
+        limit."""
         self._spec, self._limits, self._device = spec, limits, torch.device(device)
         self.decode_batch = decode_batch or self._torchvision_decoder()
         self._threads = threading.local()
+        self.slots = slots
 
     def _torchvision_decoder(self) -> BatchDecode:
         from torchvision.io import ImageReadMode, decode_jpeg  # GPU machines only
@@ -90,7 +95,8 @@ class GpuJpegDecoder:
         """Several requests' JPEGs in one batched decode, then resized and cropped together
         (one call per distinct image size). The crops stay on the GPU (the engine takes them
         there) and are complete when this returns, so any thread or stream may read them."""
-        with torch.cuda.stream(self._thread_stream()):
+        slot = self.slots.held() if self.slots is not None else contextlib.nullcontext()
+        with slot, torch.cuda.stream(self._thread_stream()):
             crops = self._crops_many(requests)
             if self._device.type == "cuda":
                 wait_asleep(torch.cuda.current_stream())
