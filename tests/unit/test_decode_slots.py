@@ -21,7 +21,7 @@ def _hold_and_record(folder: str, count: int, log: str, times: int, start) -> No
     """A process that takes a slot `times` times (once all have started), writing when it
     held each."""
     slots = DecodeSlots(Path(folder), count)
-    start.wait()
+    start.wait(60)
     for _ in range(times):
         with slots.held():
             start = time.monotonic()
