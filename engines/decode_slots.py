@@ -1,9 +1,9 @@
 """At most N processes of a host decoding JPEGs on one GPU at once.
 
-Each GPU Inference replica decodes on its own thread, and on an H200 a process waiting for
-the GPU's JPEG engines spends CPU while it waits: calls of 64 photos decoded and cropped by
-12 processes at once cost 0.75 ms of CPU an image, by 4 processes 0.27, by one 0.14, and
-12 served no more images a second than 4 (`bench/decode_procs.py`, docs/performance.md).
+Each GPU Inference replica decodes on its own thread, and on an H200 the more processes
+decode at once, the more CPU an image costs: calls of 64 photos decoded and cropped by 12
+processes at once cost 0.75 ms of CPU an image, by 4 processes 0.27, by one 0.14, and 12
+decoded no more images a second than 4 (`bench/decode_procs.py`, docs/performance.md).
 The slots are lock files (`flock`): a process takes a free one or sleeps until one frees,
 and the kernel frees a slot whose holder dies, so a crashed replica never keeps one.
 """
