@@ -3,14 +3,16 @@ Inference replicas do: 1, 12, then 4 processes each run GpuJpegDecoder.crops_man
 Inference replica's decode thread: batched nvJPEG, resize, crop) on calls of 64 of
 bench/load.py's photos for 6 s, all together; prints img/s and CPU ms an image over all of
 them (and appends it to $OUT/procs.txt). `--slots K`: the processes take turns through K
-decode slots (engines/decode_slots.py, the config's `decode_slots`). Under CUDA MPS, as the
-GPU configs run:
+decode slots (engines/decode_slots.py, the config's `decode_slots`); `--decode-only`: the
+batched nvJPEG call alone, without the resize and crop. Under CUDA MPS, as the GPU configs
+run:
 
     bash bench/gpu_mps.sh python3 bench/decode_procs.py       (after: source bench/gpu_env.sh)
     bash bench/gpu_mps.sh python3 bench/decode_procs.py --processes 12 --slots 4
 """
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import sys
@@ -21,11 +23,11 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 
-def worker(seconds, start_at, queue, slots):
+def worker(seconds, start_at, queue, slots, decode_only):
     import load
     import torch
 
-    from engines.cuda_graphs import sleep_in_every_gpu_wait
+    from engines.cuda_graphs import sleep_in_every_gpu_wait, wait_asleep
     from engines.decode_slots import gpu_slots
     from engines.gpu_decode import GpuJpegDecoder
     from engines.images import DecodeLimits
@@ -35,11 +37,18 @@ def worker(seconds, start_at, queue, slots):
     photos = load.builtin_photos()
     jpegs = [photos[i % len(photos)] for i in range(64)]
     decoder = GpuJpegDecoder(PreprocessSpec(), DecodeLimits(), slots=gpu_slots(slots))
-    decoder.crops_many([jpegs])
+
+    def nvjpeg_alone():  # no resize or crop: where the CPU goes, nvJPEG or the rest
+        with decoder.slots.held() if decoder.slots else contextlib.nullcontext():
+            decoder.decode_batch(jpegs)
+            wait_asleep(torch.cuda.current_stream())
+
+    work = nvjpeg_alone if decode_only else lambda: decoder.crops_many([jpegs])
+    work()
     time.sleep(max(start_at - time.time(), 0))
     cpu, calls, end = time.process_time(), 0, time.time() + seconds
     while time.time() < end:
-        decoder.crops_many([jpegs])
+        work()
         calls += 1
     queue.put((calls * 64, time.process_time() - cpu))
 
@@ -48,6 +57,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", default="1,12,4", help="process counts, in turn")
     parser.add_argument("--slots", type=int, default=0, help="decode slots (0: no limit)")
+    parser.add_argument("--decode-only", action="store_true", help="nvJPEG alone, no crop")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "/tmp")) / "procs.txt"
     ctx = mp.get_context("spawn")
@@ -55,7 +65,9 @@ def main():
         queue = ctx.Queue()
         seconds, start_at = 6.0, time.time() + 25
         procs = [
-            ctx.Process(target=worker, args=(seconds, start_at, queue, args.slots))
+            ctx.Process(
+                target=worker, args=(seconds, start_at, queue, args.slots, args.decode_only)
+            )
             for _ in range(n)
         ]
         for p in procs:
@@ -66,7 +78,8 @@ def main():
         images = sum(r[0] for r in results)
         cpu = sum(r[1] for r in results)
         line = (
-            f"{n:2} processes, slots {args.slots or '-'}: {images / seconds:8.0f} img/s  "
+            f"{n:2} processes, slots {args.slots or '-'}{', nvJPEG alone' * args.decode_only}: "
+            f"{images / seconds:8.0f} img/s  "
             f"{cpu * 1000 / images:.3f} CPU ms/img"
         )
         print(line, flush=True)
