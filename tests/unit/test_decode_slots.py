@@ -94,6 +94,35 @@ def test_a_holder_that_dies_frees_its_slot(tmp_path) -> None:
     slots.close()
 
 
+def test_a_waiter_takes_whichever_slot_frees_first(tmp_path) -> None:
+    """Three holders (separate opens of the slots count as separate processes to flock)
+    and two slots: the third gets the one freed first, while the other stays held."""
+    holders = [DecodeSlots(tmp_path, 2) for _ in range(3)]
+    entered = [threading.Event() for _ in holders]
+    release = [threading.Event() for _ in holders]
+
+    def hold(index: int) -> None:
+        with holders[index].held():
+            entered[index].set()
+            release[index].wait(10)
+
+    threads = [threading.Thread(target=hold, args=(i,), daemon=True) for i in range(3)]
+    for index in (0, 1):
+        threads[index].start()
+        assert entered[index].wait(5)
+    release[2].set()
+    threads[2].start()
+    assert not entered[2].wait(0.3)  # both slots held
+    release[1].set()
+    assert entered[2].wait(5)  # the second holder's slot, the first still holding its own
+    assert threads[0].is_alive()
+    release[0].set()
+    for thread in threads:
+        thread.join(5)
+    for slots in holders:
+        slots.close()
+
+
 def test_threads_of_one_process_take_turns(tmp_path) -> None:
     slots = DecodeSlots(tmp_path, 2)
     intervals: list[tuple[float, float]] = []
