@@ -46,12 +46,15 @@ class Outputs:
         return Outputs(self.logits[rows], self.embedding[rows])
 
     @staticmethod
-    def concat(parts: list[Outputs]) -> Outputs:
+    def concat(parts: list[Outputs], embedding: bool = True) -> Outputs:
+        """The parts' rows in order; with `embedding` False the result's embedding is
+        (N, 0): a call that asks for none copies none."""
         if len(parts) == 1:
             return parts[0]
-        return Outputs(
-            np.concatenate([p.logits for p in parts]), np.concatenate([p.embedding for p in parts])
-        )
+        logits = np.concatenate([p.logits for p in parts])
+        if not embedding:
+            return Outputs(logits, np.zeros((len(logits), 0), np.float32))
+        return Outputs(logits, np.concatenate([p.embedding for p in parts]))
 
     @staticmethod
     def logits_only(logits: np.ndarray) -> Outputs:

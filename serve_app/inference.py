@@ -51,10 +51,11 @@ DECODE_BATCH = 64
 
 @dataclass(frozen=True)
 class _Scored:
-    """One group's outputs and where its time went (ms)."""
+    """One group's outputs (a part per piece, rows in `owners`' order) and where its time
+    went (ms)."""
 
     owners: np.ndarray
-    outputs: Outputs
+    parts: list[Outputs]
     queue_ms: float
     inference_ms: float
     batch_size: int
@@ -229,13 +230,15 @@ class InferenceStage:
         if not scored:
             return batch.replace(owners=NO_OWNERS)
         owners = np.concatenate([g.owners for g in scored])
-        outputs = Outputs.concat([g.outputs for g in scored])
         keep = _live(owners, failures)
+        if not keep.any():
+            return batch.replace(owners=NO_OWNERS)
+        live = [batch.jobs[j] for j in set(owners[keep, 0].tolist())]
+        # one copy of the rows for the whole call, and of embeddings only where asked for
+        embedding = any(job.embedding for job in live)
+        outputs = Outputs.concat([p for g in scored for p in g.parts], embedding=embedding)
         if not keep.all():
             owners, outputs = owners[keep], outputs.take(keep)
-        if not len(owners):
-            return batch.replace(owners=NO_OWNERS)
-        live = [batch.jobs[j] for j in set(owners[:, 0].tolist())]
         top_ids, top_scores = _top_k(outputs.logits, owners, batch.jobs)
         timing = StageTiming(
             preprocess_ms=batch.timing.preprocess_ms + max(g.decode_ms for g in scored),
@@ -267,13 +270,13 @@ class InferenceStage:
             return None
         queued = time.perf_counter()
         try:
-            outputs, ran = await self._score(pixels, batch, owners)
+            ran = await self._score(pixels, batch, owners)
         except Exception as exc:
             _fail_jobs(failures, owners, exc)
             return None
         return _Scored(
             owners,
-            outputs,
+            [r.outputs for r in ran],
             queue_ms=max((r.started - queued) * 1000.0 for r in ran),
             inference_ms=max(r.inference_ms for r in ran),
             batch_size=max(r.batch_size for r in ran),
@@ -302,31 +305,37 @@ class InferenceStage:
         return _take_rows(pixels, rows), owners[rows]
 
     def _rows(self, batch: Batch) -> list[tuple[object, np.ndarray]]:
-        """The live images to score, as (pixels, owners) groups: the decoded crops, and each
-        job's client tensor."""
+        """The live images to score, as (pixels, owners) groups: the decoded crops, and the
+        client tensors of every job that sent one (a group: scored as one, not per job)."""
         groups = []
         failures = batch.job_failures
         if batch.crops is not None and len(batch.crop_owners):
             pixels, owners = _live_rows(batch.crops, batch.crop_owners, failures)
             if len(owners):
                 groups.append((pixels, owners))
-        for index, job in enumerate(batch.jobs):
-            if job.pixels is not None and index not in failures:
-                owners = np.stack(
-                    [np.full(len(job.pixels), index), np.arange(len(job.pixels))], axis=1
-                ).astype(np.int32)
-                groups.append((job.pixels, owners))
+        tensors = [
+            (index, job.pixels)
+            for index, job in enumerate(batch.jobs)
+            if job.pixels is not None and index not in failures
+        ]
+        if tensors:
+            counts = [len(pixels) for _, pixels in tensors]
+            job_of = np.repeat([index for index, _ in tensors], counts)
+            image_of = np.concatenate([np.arange(count) for count in counts])
+            owners = np.stack([job_of, image_of], axis=1).astype(np.int32)
+            pixels = tensors[0][1] if len(tensors) == 1 else np.concatenate([p for _, p in tensors])
+            groups.append((pixels, owners))
         return groups
 
-    async def _score(self, pixels, batch: Batch, owners: np.ndarray) -> tuple[Outputs, list[_Ran]]:
-        """The outputs for `pixels`, in pieces that batch independently; the earliest
-        deadline of their jobs drops the whole group if it passes while queued."""
+    async def _score(self, pixels, batch: Batch, owners: np.ndarray) -> list[_Ran]:
+        """`pixels` run, in pieces that batch independently. A piece still queued once the
+        deadlines of all the group's jobs passed is dropped (nobody waits for it); one job's
+        short deadline never drops the others' images."""
         deadlines = [batch.jobs[j].deadline for j in set(owners[:, 0].tolist())]
-        deadline = None if None in deadlines else min(deadlines)
-        ran = await _in_pieces(
+        deadline = None if None in deadlines else max(deadlines)
+        return await _in_pieces(
             lambda piece: self._submit(piece, deadline), pixels, self._batching.max_batch_size
         )
-        return Outputs.concat([r.outputs for r in ran]), ran
 
     async def _submit(self, pixels, deadline: float | None) -> _Ran:
         if self._batching.batcher == "serve" and _kind(pixels) == "uint8":

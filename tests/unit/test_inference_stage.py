@@ -1,0 +1,96 @@
+"""The inference stage's handling of a call: requests that share engine batches keep their
+own deadlines, and what a call's answers carry. The three stages' real code in one group
+(as topology direct runs them), the real model's shapes, and the echo engine where an
+engine must be slow on purpose."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from clients.loadgen import model_input
+from raystream.v1 import classifier_pb2 as pb
+from serve_app.config import STAGES, AppConfig
+from serve_app.messages import Batch, Job
+from serve_app.topology import StageGroup
+
+MODEL = "efficientnet-lite0"
+OK, DEADLINE_EXCEEDED = 0, 4
+ENGINE_S = 0.4  # each engine batch of the slow echo engine
+
+
+@pytest.fixture
+async def slow_group(model_repository) -> StageGroup:
+    config = AppConfig(
+        model_repository=model_repository,
+        engine={"kind": "echo", "options": {"delay_ms": ENGINE_S * 1000}},
+    )
+    group = await StageGroup.create(config, STAGES)
+    yield group
+    group.stop()
+
+
+def _pixels(count: int) -> np.ndarray:
+    return np.zeros((count, 3, 224, 224), np.float32)
+
+
+@pytest.mark.parametrize("inputs", ["photos", "pixels"])
+async def test_a_short_deadline_fails_only_its_own_request(slow_group, photos, inputs) -> None:
+    """Two requests in one call wait behind a busy engine: the one whose deadline passes
+    meanwhile must not take the other, with a long deadline, down with it."""
+
+    def job(request_id: str, deadline: float | None = None) -> Job:
+        if inputs == "photos":
+            return Job(id=request_id, images=(photos["astronaut"],), deadline=deadline)
+        return Job(id=request_id, pixels=_pixels(1), deadline=deadline)
+
+    busy = asyncio.ensure_future(slow_group.run(Batch(jobs=(job("busy"),))))
+    await asyncio.sleep(ENGINE_S / 4)  # the engine runs `busy`: the next call queues
+    now = time.time()
+    short, long = await slow_group.run(
+        Batch(jobs=(job("short", now + ENGINE_S / 4), job("long", now + 60)))
+    )
+    assert long.code == OK, long.message
+    assert pb.ClassifyResponse.FromString(long.payload).request_id == "long"
+    assert short.code in (OK, DEADLINE_EXCEEDED)  # nobody waits for it: either will do
+    assert (await busy)[0].code == OK
+
+
+@pytest.fixture(scope="module")
+async def group(model_repository) -> StageGroup:
+    """The real model on ONNX Runtime."""
+    config = AppConfig(model_repository=model_repository, engine={"kind": "onnxruntime"})
+    return await StageGroup.create(config, STAGES)
+
+
+def _labels(answer) -> list[list[int]]:
+    assert answer.code == OK, answer.message
+    results = pb.ClassifyResponse.FromString(answer.payload).results
+    return [[label.class_id for label in result.labels] for result in results]
+
+
+async def test_each_request_of_a_call_gets_its_own_images_labels(
+    group, photos, model_repository
+) -> None:
+    """Client tensors of several requests run together, next to decoded photos: each request
+    gets the labels of its own images, in order, as when it is sent alone."""
+    names = ["chelsea", "coffee", "astronaut", "rocket"]
+    tensors = model_input(model_repository, MODEL, tuple(photos[n] for n in names))
+    jobs = (
+        Job(id="two", pixels=tensors[:2]),
+        Job(id="photo", images=(photos["astronaut"],)),
+        Job(id="none", pixels=tensors[:1], embedding=True, labels=False),
+        Job(id="one", pixels=tensors[3:]),
+        Job(id="three", pixels=tensors[1:4][::-1].copy(), top_k=2),
+    )
+    together = await group.run(Batch(jobs=jobs))
+    alone = [(await group.run(Batch(jobs=(job,))))[0] for job in jobs]
+    for job, mixed, single in zip(jobs, together, alone, strict=True):
+        assert _labels(mixed) == _labels(single), job.id
+    assert [len(r) for r in _labels(together[4])] == [2, 2, 2]
+    assert _labels(together[0])[1][:2] == _labels(together[4])[2]  # coffee in both
+    embedded = pb.ClassifyResponse.FromString(together[2].payload).results[0]
+    assert not embedded.labels and len(embedded.embedding.values) == 1280
