@@ -159,28 +159,41 @@ def _v1_error(failure: Failure) -> bytes:
 
 def v1_answer(job: Job, fragments: Sequence[Fragment | Failure], timing: StageTiming) -> Answer:
     """A v1 request's answer from its images' fragments (or failures), in image order."""
-    codes: Counter[int] = Counter()
-    entries = []
-    for fragment in fragments:
-        if isinstance(fragment, Failure):
-            codes[fragment.code] += 1
-            entries.append(_v1_error(fragment))
-        else:
-            codes[0] += 1
-            entries.append(fragment)
-    t = timing
-    tail = pb.ClassifyResponse(
-        timing=pb.Timing(
-            preprocess_ms=t.preprocess_ms,
-            queue_ms=t.queue_ms,
-            inference_ms=t.inference_ms,
-            postprocess_ms=t.postprocess_ms,
-            batch_size=t.batch_size,
-        )
-    ).SerializeToString()
-    head = pb.ClassifyResponse(request_id=job.id).SerializeToString()
-    payload = head + b"".join(entries) + tail
-    return Answer(payload, 0, image_codes=tuple(codes.items()), timing=t)
+    if not any(isinstance(fragment, Failure) for fragment in fragments):
+        image_codes, entries = ((0, len(fragments)),), fragments
+    else:
+        codes: Counter[int] = Counter()
+        entries = []
+        for fragment in fragments:
+            if isinstance(fragment, Failure):
+                codes[fragment.code] += 1
+                entries.append(_v1_error(fragment))
+            else:
+                codes[0] += 1
+                entries.append(fragment)
+        image_codes = tuple(codes.items())
+    payload = _request_id_bytes(job.id) + b"".join(entries) + _timing_bytes(timing)
+    return Answer(payload, 0, image_codes=image_codes, timing=timing)
+
+
+def _request_id_bytes(request_id: str) -> bytes:
+    """A ClassifyResponse's `request_id` (field 1), as SerializeToString writes it."""
+    if not request_id:
+        return b""
+    data = request_id.encode()
+    return b"\x0a" + _varint(len(data)) + data
+
+
+@functools.lru_cache(maxsize=64)  # a call's answers share one timing
+def _timing_bytes(t: StageTiming) -> bytes:
+    timing = pb.Timing(
+        preprocess_ms=t.preprocess_ms,
+        queue_ms=t.queue_ms,
+        inference_ms=t.inference_ms,
+        postprocess_ms=t.postprocess_ms,
+        batch_size=t.batch_size,
+    )
+    return pb.ClassifyResponse(timing=timing).SerializeToString()
 
 
 # -- Open Inference Protocol: each output is an [N, width] tensor whose raw contents are its

@@ -36,7 +36,7 @@ from serve_app.errors import (
     message_for,
     replica_lost,
 )
-from serve_app.messages import Answer, Batch, Failure, Job, Served
+from serve_app.messages import Answer, Batch, Failure, Job, Served, copied
 from serve_app.metrics import IngressMetrics
 from serve_app.result_cache import CachedRequests, Part, cacheable
 
@@ -323,7 +323,7 @@ class ServingCore:
         dispatch_ms = (pending.sent - pending.started) * 1000.0 if pending.sent else 0.0
         if pending.job.protocol == "v1":
             payload = with_ingress_times(answer.payload, total_ms, dispatch_ms)
-            answer = dataclasses.replace(answer, payload=payload)
+            answer = copied(answer, payload=payload)
         self._record(pending.job, answer, total_ms, pending.stream, dispatch_ms)
         pending.reply(answer)
         # Streams keep their pending handles until they end (to abandon what is left): a

@@ -24,6 +24,16 @@ from serve_app.request_images import buffers
 NO_OWNERS = np.empty((0, 2), np.int32)
 
 
+def copied(message: Any, **changes: Any) -> Any:
+    """A copy of the frozen dataclass `message` with `changes`: what dataclasses.replace
+    makes, without its __init__ and checks (0.6 against 3.6 us for a Job on the 2-core CPU
+    machine; the hot path copies several per request). It runs no __post_init__: only for
+    changes that keep the rest valid."""
+    copy = object.__new__(type(message))
+    copy.__dict__.update(message.__dict__, **changes)
+    return copy
+
+
 @dataclass(frozen=True)
 class Served:
     """What an ingress serves, as the group holding inference reports it."""
@@ -76,7 +86,7 @@ class Job:
     def without_inputs(self) -> Job:
         """This job once its images or pixels are used: the next stages need neither, and
         a Ray call between stages would copy them again."""
-        return dataclasses.replace(self, images=(), pixels=None)
+        return copied(self, images=(), pixels=None)  # `count` stays
 
 
 @dataclass(frozen=True)

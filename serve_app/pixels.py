@@ -21,7 +21,7 @@ def client_pixels(
         if len(values) % 4:
             raise InvalidArgument(f"input {name!r}: {len(values)} bytes are not float32 values")
         values = np.frombuffer(values, dtype="<f4")
-    shape = tuple(int(d) for d in shape)
+    shape = tuple(map(int, shape))
     if len(shape) != 1 + len(input_shape) or shape[1:] != tuple(input_shape) or shape[0] < 1:
         raise InvalidArgument(
             f"input {name!r} must have shape [N, {', '.join(map(str, input_shape))}], "

@@ -10,7 +10,7 @@ import time
 from engines.repository import ModelSpec
 from raystream.v1 import classifier_pb2 as pb
 from serve_app.answers import answer_all
-from serve_app.messages import Answer, Batch
+from serve_app.messages import Answer, Batch, copied
 
 
 class PostprocessStage:
@@ -23,12 +23,9 @@ class PostprocessStage:
         ms = (time.perf_counter() - start) * 1000.0
         # The time is known once the answers are built: merged into each v1 answer's bytes.
         merged = pb.ClassifyResponse(timing=pb.Timing(postprocess_ms=ms)).SerializeToString()
+        timing = dataclasses.replace(batch.timing, postprocess_ms=ms)  # every answer's
         return [
-            dataclasses.replace(
-                answer,
-                payload=answer.payload + merged,
-                timing=dataclasses.replace(answer.timing, postprocess_ms=ms),
-            )
+            copied(answer, payload=answer.payload + merged, timing=timing)
             if job.protocol == "v1" and answer.code == 0
             else answer
             for job, answer in zip(batch.jobs, answers, strict=True)

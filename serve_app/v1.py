@@ -123,7 +123,7 @@ class ClassifierService:
         """Check `request` (its `images` apart) and hand it to the core; refusals are
         answered at once."""
         core = self._core
-        job = Job(id=core.bounded_id(request.request_id))
+        request_id, job = core.bounded_id(request.request_id), None
         try:
             core.check_id(request.request_id)
             model = core.check_model(request.model)
@@ -140,7 +140,7 @@ class ClassifierService:
                     tuple(tensor.shape), tensor.data, model.engine.input_shape, "pixels"
                 )
             job = Job(
-                id=job.id,
+                id=request_id,
                 images=images,
                 pixels=pixels,
                 top_k=top_k,
@@ -151,7 +151,8 @@ class ClassifierService:
             )
             core.check_count(job.count)
         except RaystreamError as exc:
-            return core.refuse(job, exc, reply, stream)
+            refused = job if job is not None else Job(id=request_id)
+            return core.refuse(refused, exc, reply, stream)
         return core.submit(job, reply, stream, budget_s(request.timeout_ms, context))
 
     async def Classify(self, request_iterator, context):
