@@ -644,7 +644,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a reader that went away shows here, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # `raystream ... | head`: the reader stopped reading, so stop quietly, as Unix tools
+        # do (the Python docs' note on SIGPIPE); stdout goes nowhere so that exit's flush
+        # cannot fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (CliError, serve_command.ConfigError, EmbedError) as exc:
         print(f"raystream: {exc}", file=sys.stderr)
         return 2

@@ -278,3 +278,20 @@ def test_a_server_command_without_the_servers_packages_says_what_to_install() ->
     result = _cli("serve", prelude="import sys\nsys.modules['yaml'] = None\n" + NO_RAY)
     line = _one_line(result)
     assert "needs the server's packages" in line and "raystream[server]" in line, line
+
+
+def test_output_into_a_closed_pipe_ends_quietly(model_repository) -> None:
+    """`raystream ... | head -1` on a long output: the reader goes away early, and the CLI
+    stops without a traceback."""
+    code = "import sys\nfrom clients.cli import main\nsys.exit(main(sys.argv[1:]))"
+    args = ["export", "--model", "efficientnet-lite0", "--repository", str(model_repository)]
+    process = subprocess.Popen(
+        [sys.executable, "-c", code, *args, "--if-missing"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    process.stdout.close()  # before the CLI has written anything
+    stderr = process.communicate(timeout=60)[1].decode()
+    assert process.returncode == 1, stderr
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
