@@ -38,7 +38,7 @@ def _serve_config(path: Path, overrides: dict) -> tuple[dict, object]:
     import yaml
 
     from serve_app.autoscaling import POLICY
-    from serve_app.config import ALLOCATOR_ENV, BY_VALUE_ENV, AppConfig
+    from serve_app.config import BY_VALUE_ENV, AppConfig
 
     if not path.is_file():
         raise ConfigError(f"Serve config {path} not found")
@@ -56,7 +56,7 @@ def _serve_config(path: Path, overrides: dict) -> tuple[dict, object]:
         made = {"Ingress", "Inference", *deployment_names(args["topology"])}
         deployments = [d for d in deployments if d.get("name") in made]
     env_vars = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
-    for name, value in {**BY_VALUE_ENV, **ALLOCATOR_ENV}.items():  # a config's value wins
+    for name, value in BY_VALUE_ENV.items():  # a value the config sets wins
         env_vars.setdefault(name, value)
     if args.get("topology") == "direct":
         from serve_app.app import DIRECT_REPLICA_ENV

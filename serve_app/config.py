@@ -19,13 +19,6 @@ STAGES = ("preprocess", "inference", "postprocess")
 # `raystream serve` set BY_VALUE_ENV in the application's runtime_env.
 MESSAGE_LIMIT_ENV = "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"
 BY_VALUE_ENV = {MESSAGE_LIMIT_ENV: str(1 << 30)}
-# glibc's allocator in every replica: arrays up to 32 MiB from the heap, not mmap, and up to
-# 64 MiB of freed heap kept rather than handed back. Otherwise each call's arrays of a few
-# hundred KB (logits, top-k's temporaries, engine outputs) are mapped and unmapped afresh
-# and page-faulted in again: on the 2-core CPU machine a call of 168 client tensors spent
-# 1.0-1.3 ms in top-k and 0.3-0.4 ms concatenating logits that way, against 0.5 and 0.05
-# (bench/core_cost.py). Set for every config, like BY_VALUE_ENV.
-ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}
 Stage = Literal["preprocess", "inference", "postprocess"]
 
 

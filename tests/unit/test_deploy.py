@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve_app.config import ALLOCATOR_ENV, BY_VALUE_ENV, AppConfig, deployment_name, groups
+from serve_app.config import AppConfig, deployment_name, groups
 
 from conftest import ROOT
 
@@ -163,8 +163,6 @@ def test_kuberay_rayservice_embeds_a_valid_serve_config() -> None:
     # Paths in the manifest exist only in the cluster's image: check the rest of the args.
     AppConfig.model_validate({**args, "security": {}})
     assert set(args["security"]) == {"tls_cert", "tls_key", "auth_token_file"}
-    env_vars = serve_config["applications"][0]["runtime_env"]["env_vars"]
-    assert {**BY_VALUE_ENV, **ALLOCATOR_ENV}.items() <= env_vars.items()
 
 
 ROLES = {"Ingress": "raystream_ingress", "Preprocess": "raystream_decode"}
@@ -265,7 +263,7 @@ def test_stage_calls_go_by_value_under_serve_deploy_and_raystream_serve(path: Pa
 
     app = yaml.safe_load(path.read_text())["applications"][0]
     if app["args"].get("topology") != "direct":
-        assert BY_VALUE_ENV.items() <= app["runtime_env"]["env_vars"].items()
+        assert app["runtime_env"]["env_vars"] == BY_VALUE_ENV
     if path in HOST_CONFIGS:
         config, _ = _serve_config(path, {})
         env_vars = config["applications"][0]["runtime_env"]["env_vars"]
@@ -323,27 +321,3 @@ def test_autoscaled_stage_deployments_count_their_port_calls(tmp_path: Path) -> 
                 fields = {**AutoscalingConfig.default().model_dump(exclude_unset=True), **fields}
             built = AutoscalingConfig(**fields)
             assert built.policy.policy_function == policies[d["name"]]["policy_function"]
-
-
-@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
-def test_every_replica_gets_the_allocator_settings(path: Path, tmp_path: Path) -> None:
-    """glibc's thresholds (serve_app/config.py ALLOCATOR_ENV) in every shipped config, for
-    `serve deploy`; `raystream serve` adds them to a config that lacks them, and keeps a
-    config's own values."""
-    import yaml
-
-    from clients.serve_command import _serve_config
-    from serve_app.config import ALLOCATOR_ENV
-
-    app = yaml.safe_load(path.read_text())["applications"][0]
-    assert ALLOCATOR_ENV.items() <= app["runtime_env"]["env_vars"].items()
-    if path not in HOST_CONFIGS:  # its TLS files exist only on the cluster's nodes
-        return
-    del app["runtime_env"]["env_vars"]["MALLOC_MMAP_THRESHOLD_"]
-    app["runtime_env"]["env_vars"]["MALLOC_TRIM_THRESHOLD_"] = "1"
-    bare = tmp_path / path.name
-    bare.write_text(yaml.safe_dump({"applications": [app]}))
-    config, _ = _serve_config(bare, {})
-    env_vars = config["applications"][0]["runtime_env"]["env_vars"]
-    assert env_vars["MALLOC_MMAP_THRESHOLD_"] == ALLOCATOR_ENV["MALLOC_MMAP_THRESHOLD_"]
-    assert env_vars["MALLOC_TRIM_THRESHOLD_"] == "1"
