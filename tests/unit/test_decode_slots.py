@@ -91,6 +91,7 @@ def test_a_holder_that_dies_frees_its_slot(tmp_path) -> None:
     holder.kill()
     holder.join(10)
     assert taken.wait(10)
+    waiter.join(10)  # out of held() before its files close
     slots.close()
 
 
