@@ -255,7 +255,7 @@ class InferenceStage:
             probabilities=(
                 postprocessing.softmax(outputs.logits) if any(j.scores for j in live) else None
             ),
-            embeddings=outputs.embedding if any(j.embedding for j in live) else None,
+            embeddings=outputs.embedding if embedding else None,
             timing=timing,
         )
 
