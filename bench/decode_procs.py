@@ -2,17 +2,14 @@
 Inference replicas do: 1, 12, then 4 processes each run GpuJpegDecoder.crops_many (an
 Inference replica's decode thread: batched nvJPEG, resize, crop) on calls of 64 of
 bench/load.py's photos for 6 s, all together; prints img/s and CPU ms an image over all of
-them (and appends it to $OUT/procs.txt). `--slots K`: the processes take turns through K
-decode slots (engines/decode_slots.py, the config's `decode_slots`); `--decode-only`: the
-batched nvJPEG call alone, without the resize and crop. Under CUDA MPS, as the GPU configs
-run:
+them (and appends it to $OUT/procs.txt). `--decode-only`: the batched nvJPEG call alone,
+without the resize and crop. Under CUDA MPS, as the GPU configs run:
 
     bash bench/gpu_mps.sh python3 bench/decode_procs.py       (after: source bench/gpu_env.sh)
-    bash bench/gpu_mps.sh python3 bench/decode_procs.py --processes 12 --slots 4
+    bash bench/gpu_mps.sh python3 bench/decode_procs.py --processes 12 --decode-only
 """
 
 import argparse
-import contextlib
 import multiprocessing as mp
 import os
 import sys
@@ -23,12 +20,11 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 
-def worker(seconds, start_at, queue, slots, decode_only):
+def worker(seconds, start_at, queue, decode_only):
     import load
     import torch
 
     from engines.cuda_graphs import sleep_in_every_gpu_wait, wait_asleep
-    from engines.decode_slots import gpu_slots
     from engines.gpu_decode import GpuJpegDecoder
     from engines.images import DecodeLimits
     from engines.repository import PreprocessSpec
@@ -36,12 +32,11 @@ def worker(seconds, start_at, queue, slots, decode_only):
     sleep_in_every_gpu_wait(torch.device("cuda:0"))
     photos = load.builtin_photos()
     jpegs = [photos[i % len(photos)] for i in range(64)]
-    decoder = GpuJpegDecoder(PreprocessSpec(), DecodeLimits(), slots=gpu_slots(slots))
+    decoder = GpuJpegDecoder(PreprocessSpec(), DecodeLimits())
 
     def nvjpeg_alone():  # no resize or crop: where the CPU goes, nvJPEG or the rest
-        with decoder.slots.held() if decoder.slots else contextlib.nullcontext():
-            decoder.decode_batch(jpegs)
-            wait_asleep(torch.cuda.current_stream())
+        decoder.decode_batch(jpegs)
+        wait_asleep(torch.cuda.current_stream())
 
     work = nvjpeg_alone if decode_only else lambda: decoder.crops_many([jpegs])
     work()
@@ -56,7 +51,6 @@ def worker(seconds, start_at, queue, slots, decode_only):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", default="1,12,4", help="process counts, in turn")
-    parser.add_argument("--slots", type=int, default=0, help="decode slots (0: no limit)")
     parser.add_argument("--decode-only", action="store_true", help="nvJPEG alone, no crop")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "/tmp")) / "procs.txt"
@@ -65,9 +59,7 @@ def main():
         queue = ctx.Queue()
         seconds, start_at = 6.0, time.time() + 25
         procs = [
-            ctx.Process(
-                target=worker, args=(seconds, start_at, queue, args.slots, args.decode_only)
-            )
+            ctx.Process(target=worker, args=(seconds, start_at, queue, args.decode_only))
             for _ in range(n)
         ]
         for p in procs:
@@ -78,7 +70,7 @@ def main():
         images = sum(r[0] for r in results)
         cpu = sum(r[1] for r in results)
         line = (
-            f"{n:2} processes, slots {args.slots or '-'}{', nvJPEG alone' * args.decode_only}: "
+            f"{n:2} processes{', nvJPEG alone' * args.decode_only}: "
             f"{images / seconds:8.0f} img/s  "
             f"{cpu * 1000 / images:.3f} CPU ms/img"
         )

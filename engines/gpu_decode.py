@@ -12,7 +12,6 @@ path to within a few grey levels, not bit for bit (tests/gpu/test_nvjpeg.py).
 
 from __future__ import annotations
 
-import contextlib
 import io
 import itertools
 import threading
@@ -25,7 +24,6 @@ import torch.nn.functional as F
 from PIL import Image
 
 from engines.cuda_graphs import wait_asleep
-from engines.decode_slots import DecodeSlots
 from engines.images import DecodeLimits, InvalidImage, decode
 from engines.repository import PreprocessSpec
 
@@ -63,15 +61,11 @@ class GpuJpegDecoder:
         limits: DecodeLimits,
         device: str = "cuda",
         decode_batch: BatchDecode | None = None,
-        slots: DecodeSlots | None = None,
     ) -> None:
-        """decode_batch: torchvision's batched nvJPEG when None (tests and benchmarks pass
-        others). slots: every decode holds one of them (engines/decode_slots.py); None: no
-        limit."""
+        """decode_batch: torchvision's batched nvJPEG when None (tests pass others)."""
         self._spec, self._limits, self._device = spec, limits, torch.device(device)
         self.decode_batch = decode_batch or self._torchvision_decoder()
         self._threads = threading.local()
-        self.slots = slots
 
     def _torchvision_decoder(self) -> BatchDecode:
         from torchvision.io import ImageReadMode, decode_jpeg  # GPU machines only
@@ -95,8 +89,7 @@ class GpuJpegDecoder:
         """Several requests' JPEGs in one batched decode, then resized and cropped together
         (one call per distinct image size). The crops stay on the GPU (the engine takes them
         there) and are complete when this returns, so any thread or stream may read them."""
-        slot = self.slots.held() if self.slots is not None else contextlib.nullcontext()
-        with slot, torch.cuda.stream(self._thread_stream()):
+        with torch.cuda.stream(self._thread_stream()):
             crops = self._crops_many(requests)
             if self._device.type == "cuda":
                 wait_asleep(torch.cuda.current_stream())

@@ -143,9 +143,6 @@ class AppConfig(_Strict):
     # cpu: PIL decodes every image. gpu: JPEGs are decoded by nvJPEG in the inference replica
     # (needs torchvision and a GPU there); the CPU stage only checks headers.
     decode: Literal["cpu", "gpu"] = "cpu"
-    # With decode: gpu, at most this many processes of a host decode on one GPU at once:
-    # the Inference replicas take turns (engines/decode_slots.py). 0: no limit.
-    decode_slots: int = Field(0, ge=0, le=64)
     # Structured request logs (JSON lines in the ingress replica's Serve log): every failed
     # request or image, and this fraction of the successful ones.
     log_sample_rate: float = Field(0.01, ge=0.0, le=1.0)

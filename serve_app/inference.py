@@ -140,13 +140,10 @@ class InferenceStage:
         }
         self._gpu_decoder = None
         if config.decode == "gpu":
-            from engines.decode_slots import gpu_slots
             from engines.gpu_decode import GpuJpegDecoder
             from serve_app.preprocess import decode_limits
 
-            self._gpu_decoder = GpuJpegDecoder(
-                model.spec.preprocess, decode_limits(config), slots=gpu_slots(config.decode_slots)
-            )
+            self._gpu_decoder = GpuJpegDecoder(model.spec.preprocess, decode_limits(config))
             self._decode_executor = ThreadPoolExecutor(1, thread_name_prefix="nvjpeg")
             self._decoding = DynamicBatcher(
                 self._decode_many, len, max_batch_size=DECODE_BATCH, max_queued=1 << 30

@@ -51,25 +51,6 @@ def test_nvjpeg_crops_match_the_cpu_path(model, photos) -> None:
     assert [len(c.pixels) for c in both] == [1, 4]
 
 
-def test_decode_slots_are_the_gpus_own(model, photos) -> None:
-    """`decode_slots`: the slots' folder is named by the GPU's UUID (every process on that
-    GPU finds it), and a decoder holding them crops as one without."""
-    from engines.decode_slots import gpu_slots
-    from engines.gpu_decode import GpuJpegDecoder
-    from engines.images import DecodeLimits
-
-    assert gpu_slots(0) is None
-    slots = gpu_slots(2)
-    uuid = str(torch.cuda.get_device_properties(0).uuid)
-    assert slots.count == 2 and all(uuid in f.name for f in slots._files)
-    jpegs = [photos[n] for n in ("chelsea", "coffee")]
-    spec = model.spec.preprocess
-    with_slots = GpuJpegDecoder(spec, DecodeLimits(), slots=slots).crops(jpegs)
-    without = GpuJpegDecoder(spec, DecodeLimits()).crops(jpegs)
-    assert torch.equal(with_slots.pixels, without.pixels)
-    slots.close()
-
-
 async def test_gpu_replica_keeps_crops_on_the_gpu_and_answers_each_image(
     model_repository, photos
 ) -> None:
