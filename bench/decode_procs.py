@@ -1,17 +1,20 @@
 """The GPU decode path's CPU when several processes decode at once on one GPU, as the
 Inference replicas do: 1, 12, then 4 processes each run GpuJpegDecoder.crops_many (an
 Inference replica's decode thread: batched nvJPEG, resize, crop) on calls of 64 of
-bench/load.py's photos for 6 s, all together; prints img/s and CPU ms an image over all of
-them (and appends it to $OUT/procs.txt). `--decode-only`: the batched nvJPEG call alone,
-without the resize and crop. Under CUDA MPS, as the GPU configs run:
+bench/load.py's photos (`--batch`) for 6 s, all together; prints img/s and CPU ms an image
+over all of them, split into user and kernel time, with a call's mean wall time and the
+context switches a call makes (a thread that sleeps while the GPU works switches; one
+that spins does not), and appends it to $OUT/procs.txt. `--decode-only`: the batched
+nvJPEG call alone, without the resize and crop. Under CUDA MPS, as the GPU configs run:
 
     bash bench/gpu_mps.sh python3 bench/decode_procs.py       (after: source bench/gpu_env.sh)
-    bash bench/gpu_mps.sh python3 bench/decode_procs.py --processes 12 --decode-only
+    bash bench/gpu_mps.sh python3 bench/decode_procs.py --processes 12 --decode-only --batch 8
 """
 
 import argparse
 import multiprocessing as mp
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -20,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 
-def worker(seconds, start_at, queue, decode_only):
+def worker(seconds, start_at, queue, decode_only, batch):
     import load
     import torch
 
@@ -31,7 +34,7 @@ def worker(seconds, start_at, queue, decode_only):
 
     sleep_in_every_gpu_wait(torch.device("cuda:0"))
     photos = load.builtin_photos()
-    jpegs = [photos[i % len(photos)] for i in range(64)]
+    jpegs = [photos[i % len(photos)] for i in range(batch)]
     decoder = GpuJpegDecoder(PreprocessSpec(), DecodeLimits())
 
     def nvjpeg_alone():  # no resize or crop: where the CPU goes, nvJPEG or the rest
@@ -41,17 +44,26 @@ def worker(seconds, start_at, queue, decode_only):
     work = nvjpeg_alone if decode_only else lambda: decoder.crops_many([jpegs])
     work()
     time.sleep(max(start_at - time.time(), 0))
-    cpu, calls, end = time.process_time(), 0, time.time() + seconds
+    before, calls, end = resource.getrusage(resource.RUSAGE_SELF), 0, time.time() + seconds
     while time.time() < end:
         work()
         calls += 1
-    queue.put((calls * 64, time.process_time() - cpu))
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    queue.put(
+        (
+            calls,
+            after.ru_utime - before.ru_utime,
+            after.ru_stime - before.ru_stime,
+            after.ru_nvcsw - before.ru_nvcsw + after.ru_nivcsw - before.ru_nivcsw,
+        )
+    )
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", default="1,12,4", help="process counts, in turn")
     parser.add_argument("--decode-only", action="store_true", help="nvJPEG alone, no crop")
+    parser.add_argument("--batch", type=int, default=64, help="photos a call")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "/tmp")) / "procs.txt"
     ctx = mp.get_context("spawn")
@@ -59,7 +71,9 @@ def main():
         queue = ctx.Queue()
         seconds, start_at = 6.0, time.time() + 25
         procs = [
-            ctx.Process(target=worker, args=(seconds, start_at, queue, args.decode_only))
+            ctx.Process(
+                target=worker, args=(seconds, start_at, queue, args.decode_only, args.batch)
+            )
             for _ in range(n)
         ]
         for p in procs:
@@ -67,12 +81,13 @@ def main():
         results = [queue.get(timeout=90) for _ in procs]
         for p in procs:
             p.join()
-        images = sum(r[0] for r in results)
-        cpu = sum(r[1] for r in results)
+        calls, user, system, switches = (sum(column) for column in zip(*results, strict=True))
+        images = calls * args.batch
         line = (
-            f"{n:2} processes{', nvJPEG alone' * args.decode_only}: "
-            f"{images / seconds:8.0f} img/s  "
-            f"{cpu * 1000 / images:.3f} CPU ms/img"
+            f"{n:2} processes, calls of {args.batch}{', nvJPEG alone' * args.decode_only}: "
+            f"{images / seconds:8.0f} img/s  {(user + system) * 1000 / images:.3f} CPU ms/img "
+            f"(user {user * 1000 / images:.3f}, kernel {system * 1000 / images:.3f}), "
+            f"a call {seconds * n * 1000 / calls:.1f} ms, {switches / calls:.1f} switches"
         )
         print(line, flush=True)
         with out.open("a") as f:
