@@ -157,10 +157,15 @@ def _v1_error(failure: Failure) -> bytes:
     return b"\x12" + _varint(len(data)) + data
 
 
+def _all_ok(images: int) -> tuple[tuple[int, int], ...]:
+    """An answer's image codes when every image succeeded: none for a request of none."""
+    return ((0, images),) if images else ()
+
+
 def v1_answer(job: Job, fragments: Sequence[Fragment | Failure], timing: StageTiming) -> Answer:
     """A v1 request's answer from its images' fragments (or failures), in image order."""
     if not any(isinstance(fragment, Failure) for fragment in fragments):
-        image_codes, entries = ((0, len(fragments)),), fragments
+        image_codes, entries = _all_ok(len(fragments)), fragments
     else:
         codes: Counter[int] = Counter()
         entries = []
@@ -249,5 +254,5 @@ def oip_answer(
         response.outputs.add(name=output.name, datatype=datatype, shape=[len(fragments), width])
         response.raw_output_contents.append(b"".join(rows[index] for rows in fragments))
     return Answer(
-        response.SerializeToString(), 0, image_codes=((0, len(fragments)),), timing=timing
+        response.SerializeToString(), 0, image_codes=_all_ok(len(fragments)), timing=timing
     )

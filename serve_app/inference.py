@@ -282,8 +282,9 @@ class InferenceStage:
     def _admit(
         self, pixels, owners: np.ndarray, failures: dict[int, Failure]
     ) -> tuple[object, np.ndarray]:
-        """The rows of the jobs the batch queue has room for, whole jobs in order; the
-        others fail at once with RESOURCE_EXHAUSTED (and never wait for the engine)."""
+        """The rows of the jobs the batch queue has room for, whole jobs in order, each
+        taken if it fits in the room the ones before it left; the others fail at once with
+        RESOURCE_EXHAUSTED (and never wait for the engine)."""
         batcher = self._batchers[_kind(pixels)]
         room = batcher.room()
         if len(owners) <= room:
@@ -294,9 +295,12 @@ class InferenceStage:
             f"{batcher.max_queued}); retry later",
         )
         jobs, counts = np.unique(owners[:, 0], return_counts=True)
-        admitted = set(jobs[np.cumsum(counts) <= room].tolist())
-        for job in jobs.tolist():
-            if job not in admitted:
+        admitted = set()
+        for job, count in zip(jobs.tolist(), counts.tolist(), strict=True):
+            if count <= room:
+                admitted.add(job)
+                room -= count
+            else:
                 failures[job] = refused
         rows = np.flatnonzero(np.isin(owners[:, 0], list(admitted)))
         return _take_rows(pixels, rows), owners[rows]

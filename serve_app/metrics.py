@@ -109,8 +109,7 @@ class IngressMetrics:
         for image_code, count in image_codes.items():
             pending[self.images, "code", image_code] += count
         for stage, ms in stage_ms.items():
-            if ms > 0:  # Ray's counters refuse increments of 0
-                pending[self.stages, "stage", stage] += ms
+            pending[self.stages, "stage", stage] += ms
         self.total.observe(total_ms)
 
     def record_cache(
@@ -130,7 +129,8 @@ class IngressMetrics:
         """Hand the counts gathered since the last flush to Ray: one call per counter and tag."""
         pending, self._pending = self._pending, collections.Counter()
         for (counter, key, value), amount in pending.items():
-            counter.inc(amount, tags={key: value} if key else None)
+            if amount > 0:  # Ray's counters refuse increments of 0
+                counter.inc(amount, tags={key: value} if key else None)
 
 
 class InferenceMetrics:

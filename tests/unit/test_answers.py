@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from raystream.v1 import classifier_pb2 as pb
-from serve_app.answers import answer_all
+from serve_app.answers import answer_all, oip_answer, v1_answer
 from serve_app.messages import Batch, Failure, Job, StageTiming, copied
 
 
@@ -75,3 +75,11 @@ def test_a_copy_keeps_the_image_count_and_leaves_the_job_alone() -> None:
     bare = job.without_inputs()
     assert (bare.images, bare.count, bare.top_k, bare.id) == ((), 2, 3, "a")
     assert job.images == (b"x", b"y") and bare == copied(job, images=())
+
+
+def test_a_request_of_no_images_reports_no_image_codes() -> None:
+    """Image codes count images: a request of none has none, not a count of 0 (a 0 reaches
+    Ray's counters, which refuse it)."""
+    assert v1_answer(Job(id="empty"), [], StageTiming()).image_codes == ()
+    assert oip_answer(Job(id="empty"), "m", "1", [], [], StageTiming()).image_codes == ()
+    assert v1_answer(Job(id="one"), [b""], StageTiming()).image_codes == ((0, 1),)

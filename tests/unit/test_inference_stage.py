@@ -18,7 +18,7 @@ from serve_app.messages import Batch, Job
 from serve_app.topology import StageGroup
 
 MODEL = "efficientnet-lite0"
-OK, DEADLINE_EXCEEDED = 0, 4
+OK, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED = 0, 4, 8
 ENGINE_S = 0.4  # each engine batch of the slow echo engine
 
 
@@ -94,3 +94,14 @@ async def test_each_request_of_a_call_gets_its_own_images_labels(
     assert _labels(together[0])[1][:2] == _labels(together[4])[2]  # coffee in both
     embedded = pb.ClassifyResponse.FromString(together[2].payload).results[0]
     assert not embedded.labels and len(embedded.embedding.values) == 1280
+
+
+async def test_a_full_queue_refuses_only_the_requests_that_do_not_fit(group) -> None:
+    """Room for 8 images: a call of 10, 2, 7 and 6 images admits the 2 and the 6 (each
+    fits in what the ones before it left) and refuses the 10 and the 7."""
+    (stages,) = group.models.values()
+    stages.inference.reconfigure({"max_queued_images": 8})
+    jobs = tuple(Job(id=f"j{n}", pixels=_pixels(n)) for n in (10, 2, 7, 6))
+    answers = await group.run(Batch(jobs=jobs))
+    assert [a.code for a in answers] == [RESOURCE_EXHAUSTED, OK, RESOURCE_EXHAUSTED, OK]
+    assert "inference queue is full" in answers[0].message

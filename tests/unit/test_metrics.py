@@ -66,3 +66,19 @@ def test_the_result_cache_counts_reach_ray_at_a_flush(monkeypatch) -> None:
         ],
         key=repr,
     )
+
+
+def test_a_request_of_no_images_reaches_ray_as_a_request_alone(monkeypatch) -> None:
+    metrics = IngressMetrics()
+    handed: list[tuple[str, float]] = []
+    for name in ("requests", "images"):
+        counter = getattr(metrics, name)
+
+        def inc(value, tags=None, _name=name, _real=counter.inc) -> None:
+            handed.append((_name, value))
+            _real(value, tags=tags)  # Ray's own check: it raised on the 0 before
+
+        monkeypatch.setattr(counter, "inc", inc)
+    metrics.record("OK", {"OK": 0}, 1.0, {})
+    metrics.flush()
+    assert handed == [("requests", 1)]
