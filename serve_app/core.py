@@ -193,6 +193,19 @@ class ServingCore:
         self._record(job, answer, 0.0, stream)
         reply(answer)
 
+    async def unary(self, start: Callable[[Callable[[Answer], None]], _Pending | None]) -> Answer:
+        """A unary call's answer: `start` hands its request to the core (`submit`, or
+        `refuse`) with the reply it is given. A call cancelled while it waits (the client went
+        away, or its gRPC deadline passed) abandons its request, as an ended stream does."""
+        future = asyncio.get_running_loop().create_future()
+        pending = start(future.set_result)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if pending is not None:
+                self.abandon(pending)
+            raise
+
     def submit(
         self,
         job: Job,
@@ -325,11 +338,15 @@ class ServingCore:
             payload = with_ingress_times(answer.payload, total_ms, dispatch_ms)
             answer = copied(answer, payload=payload)
         self._record(pending.job, answer, total_ms, pending.stream, dispatch_ms)
-        pending.reply(answer)
-        # Streams keep their pending handles until they end (to abandon what is left): a
-        # finished one must not keep its request's images alive.
-        pending.job, pending.reply = None, None
-        self._release(pending)
+        try:
+            pending.reply(answer)
+        except Exception:  # one caller's failure must not cost the call's other requests
+            logger.exception("answering request %r failed", pending.job.id)
+        finally:
+            # Streams keep their pending handles until they end (to abandon what is left): a
+            # finished one must not keep its request's images alive.
+            pending.job, pending.reply = None, None
+            self._release(pending)
 
     # -- metrics and logs -----------------------------------------------------------------------
 

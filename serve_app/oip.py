@@ -159,15 +159,16 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
     async def _infer(self, request: oip.ModelInferRequest, context, stream: str) -> Answer:
         """One request through the core: its answer (payload bytes, or code and message)."""
         core = self._core
-        future = asyncio.get_running_loop().create_future()
-        try:
-            job, budget = self._job(request, context, context.peer())
-        except RaystreamError as exc:
-            job = Job(id=core.bounded_id(request.id), protocol="oip")
-            core.refuse(job, exc, future.set_result, stream)
-        else:
-            core.submit(job, future.set_result, stream, budget)
-        return await future
+
+        def start(reply):
+            try:
+                job, budget = self._job(request, context, context.peer())
+            except RaystreamError as exc:
+                job = Job(id=core.bounded_id(request.id), protocol="oip")
+                return core.refuse(job, exc, reply, stream)
+            return core.submit(job, reply, stream, budget)
+
+        return await core.unary(start)
 
     async def ModelInfer(self, request, context):
         answer = await self._infer(request, context, "unary")

@@ -201,10 +201,12 @@ class CachedRequests:
 
     def _resolve(self, request: _Request, positions: Iterable[int]) -> tuple[int, int, int]:
         """Look `positions` up: fill the hits, join the flights, send the rest as one part.
-        Returns (hits, shared, sent) images."""
+        Returns (hits, shared, sent) images. Positions go in image order (a re-send lists
+        them in another request's order): a part that holds every image, each once, is then
+        the request itself, and its answer is the request's answer (`answered`)."""
         hits = shared = 0
         lead: dict[bytes, list[int]] = {}
-        for position in positions:
+        for position in sorted(positions):
             key = request.keys[position]
             fragment = self.cache.get(key)
             if fragment is not None:

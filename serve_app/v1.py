@@ -5,7 +5,6 @@ serializer is the identity: this replica never re-encodes a response).
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -211,10 +210,11 @@ class ClassifierService:
         return "" if too_long else request_id
 
     async def ClassifyOnce(self, request, context):
-        future = asyncio.get_running_loop().create_future()
-        images = tuple(request.images)
-        self._start(request, images, future.set_result, context, context.peer(), "unary")
-        return (await future).payload
+        images, peer = tuple(request.images), context.peer()
+        answer = await self._core.unary(
+            lambda reply: self._start(request, images, reply, context, peer, "unary")
+        )
+        return answer.payload
 
     async def GetModelInfo(self, request, context):
         core = self._core

@@ -91,8 +91,11 @@ async def test_a_unary_grpc_deadline_drops_the_work_before_the_engine(slow_serve
         busy = asyncio.create_task(client.classify_once([image]))
         await asyncio.sleep(0.05)  # "busy" reaches the engine first (see _paced)
         with pytest.raises(grpc.aio.AioRpcError) as raised:
+            # two photos (209 KB): under the server's message limit, so that only the
+            # deadline can end the call (four, 419 KB, were refused for their size when that
+            # answer beat the deadline)
             await client.stub.ClassifyOnce(
-                pb.ClassifyRequest(request_id="x", images=[image] * 4), timeout=0.1
+                pb.ClassifyRequest(request_id="x", images=[image] * 2), timeout=0.1
             )
         assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         busy = await busy

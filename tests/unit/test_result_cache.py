@@ -283,6 +283,75 @@ async def test_an_image_that_fails_is_sent_again_by_each_request(cached) -> None
     assert stages.calls == [[1], [1]] and len(core._cache.cache) == 0
 
 
+# -- a request's own order; callers that go away ------------------------------------------------
+
+
+async def test_a_request_that_sends_anothers_images_itself_keeps_its_own_order(
+    cached, uncached, photos
+) -> None:
+    """A request waiting on another's images sends them itself once that one is answered
+    (here by its deadline): its answer lists them in its own order, not the other's."""
+    (core, stages), (plain, _) = cached, uncached
+    cat, coffee = photos["chelsea"], photos["coffee"]
+    stages.gate.clear()
+    leader = _submit(core, _v1(core, coffee, cat), budget_s=0.05)
+    await _until(lambda: stages.calls == [[2]])
+    follower = _submit(core, _v1(core, cat, coffee))
+    assert (await leader).code == DEADLINE_EXCEEDED
+    stages.gate.set()
+    answer = await asyncio.wait_for(follower, 10)
+    assert _results(answer) == _results(await _submit(plain, _v1(plain, cat, coffee)))
+
+
+async def test_images_that_failed_for_another_are_answered_in_the_requests_order(
+    cached, uncached, photos
+) -> None:
+    (core, stages), (plain, _) = cached, uncached
+    junk, cut = b"junk", photos["chelsea"][:300]  # two bad images, two different errors
+    stages.gate.clear()
+    leader = _submit(core, _v1(core, junk, cut))
+    await _until(lambda: stages.calls == [[2]])
+    follower = _submit(core, _v1(core, cut, junk))  # failed for the leader: sent again
+    stages.gate.set()
+    await leader
+    answer = await asyncio.wait_for(follower, 10)
+    assert _results(answer) == _results(await _submit(plain, _v1(plain, cut, junk)))
+
+
+async def test_a_cancelled_unary_call_hands_its_images_to_whoever_waits(cached, photos) -> None:
+    """A unary call whose client goes away (gRPC cancels its handler) is abandoned like an
+    ended stream's request: a request waiting on its images gets them and its answer."""
+    core, stages = cached
+    stages.gate.clear()
+    job = _v1(core, photos["chelsea"])
+    call = asyncio.ensure_future(core.unary(lambda reply: core.submit(job, reply, "unary")))
+    await _until(lambda: stages.calls == [[1]])
+    follower = _submit(core, _v1(core, photos["chelsea"]))
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    stages.gate.set()
+    assert (await asyncio.wait_for(follower, 10)).code == 0
+    assert core._cache.flights == 0 and core.requests_in_flight == 0
+
+
+async def test_a_reply_that_fails_costs_no_other_request_its_answer(uncached, photos) -> None:
+    core, stages = uncached
+    stages.gate.clear()
+    first = _submit(core, _v1(core, photos["chelsea"]))
+    await _until(lambda: stages.calls == [[1]])
+
+    def gone(answer: Answer) -> None:
+        raise RuntimeError("the caller is gone")
+
+    core.submit(_v1(core, photos["coffee"]), gone, "test")  # the next call takes both
+    other = _submit(core, _v1(core, photos["rocket"]))
+    stages.gate.set()
+    await first
+    assert (await asyncio.wait_for(other, 10)).code == 0
+    assert stages.calls == [[1], [1, 1]]
+
+
 # -- off ---------------------------------------------------------------------------------------
 
 
