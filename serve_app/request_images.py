@@ -21,6 +21,13 @@ from collections.abc import Iterator, Sequence
 
 LENGTH_DELIMITED = 2
 _FIXED = {1: 8, 5: 4}  # wire type: bytes (64-bit, 32-bit)
+# A key or a length takes at most 5 bytes (protobuf refuses longer ones), a value 10.
+KEY_BYTES, VALUE_BYTES = 5, 10
+# Past this many fields the walk gives up and protobuf parses the message whole: a request
+# has a handful of fields and at most a few hundred images, and a message of millions of
+# tiny fields would hold the event loop for seconds in Python where protobuf's C parser
+# takes milliseconds.
+MAX_FIELDS = 4096
 
 
 class ImageSpans(Sequence[bytes]):
@@ -83,17 +90,19 @@ def split_images(message: bytes, field: int) -> tuple[bytes, ImageSpans] | None:
     spans: list[tuple[int, int]] = []
     position, end = 0, len(message)
     while position < end:
+        if len(rest) + len(spans) == MAX_FIELDS:
+            return None
         start = position
-        key, position = _varint(message, position)
-        if position < 0 or key >> 3 == 0:
+        key, position = _varint(message, position, KEY_BYTES)
+        if position < 0 or key >> 3 == 0 or key > 0xFFFFFFFF:
             return None
         kind = key & 7
         if kind == 0:
-            _, position = _varint(message, position)
+            _, position = _varint(message, position, VALUE_BYTES)
         elif kind in _FIXED:
             position += _FIXED[kind]
         elif kind == LENGTH_DELIMITED:
-            length, position = _varint(message, position)
+            length, position = _varint(message, position, KEY_BYTES)
             if position < 0 or position + length > end:
                 return None
             if key >> 3 == field:
@@ -109,13 +118,13 @@ def split_images(message: bytes, field: int) -> tuple[bytes, ImageSpans] | None:
     return b"".join(rest), ImageSpans(message, tuple(spans))
 
 
-def _varint(data: bytes, position: int) -> tuple[int, int]:
+def _varint(data: bytes, position: int, most: int) -> tuple[int, int]:
     """(value, position after it); position -1 where `data` ends inside it or it runs past
-    ten bytes."""
+    `most` bytes."""
     if position < len(data) and data[position] < 0x80:  # most keys and small values
         return data[position], position + 1
     value = shift = 0
-    for index in range(position, min(position + 10, len(data))):
+    for index in range(position, min(position + most, len(data))):
         byte = data[index]
         value |= (byte & 0x7F) << shift
         if byte < 0x80:
