@@ -9,8 +9,11 @@ server) is mapped here with the foreign failures.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from enum import IntEnum
+from typing import TypeVar
 
+from google.protobuf.message import DecodeError, Message
 from ray import exceptions as ray_exceptions
 from ray.serve import exceptions as serve_exceptions
 
@@ -126,6 +129,23 @@ def code_for(exc: BaseException) -> Code:
 
 
 MAX_MESSAGE_CHARS = 1024  # what an error message may carry back to a client or into a log
+
+
+M = TypeVar("M", bound=Message)
+
+
+def parsed_or_none(message: type[M]) -> Callable[[bytes], M | None]:
+    """A gRPC request deserializer that gives None for bytes that are not a `message`, for
+    the handler to answer INVALID_ARGUMENT: one that raised would end the call, or the whole
+    stream, with gRPC's UNKNOWN."""
+
+    def parse(data: bytes) -> M | None:
+        try:
+            return message.FromString(data)
+        except DecodeError:
+            return None
+
+    return parse
 
 
 def clip(text: str, limit: int = 80) -> str:

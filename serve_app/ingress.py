@@ -23,7 +23,6 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from raystream.oip import grpc_predict_v2_pb2 as oip
-from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from serve_app import v1
 from serve_app.config import STAGES, AppConfig, deployment_names
 from serve_app.core import ServingCore
@@ -121,8 +120,8 @@ class Ingress:
         self._server.add_generic_rpc_handlers(
             (v1.ClassifierService(self._core, self._streams).handler(),)
         )
-        oip_grpc.add_GRPCInferenceServiceServicer_to_server(
-            OpenInferenceService(self._core, self._streams, self._models), self._server
+        self._server.add_generic_rpc_handlers(
+            (OpenInferenceService(self._core, self._streams, self._models).handler(),)
         )
         # grpc.health.v1 (SERVING once the engine is warm) and server reflection, so
         # grpcurl-style tools list and call the services.

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import struct
 
 import grpc
@@ -36,12 +37,23 @@ from serve_app.answers import OIP_LABELS as LABELS
 from serve_app.answers import OIP_PIXELS as PIXELS
 from serve_app.answers import OIP_SCORES as SCORES
 from serve_app.core import ServingCore
-from serve_app.errors import InvalidArgument, RaystreamError, clip, code_for, code_name, message_for
+from serve_app.errors import (
+    InvalidArgument,
+    RaystreamError,
+    clip,
+    code_for,
+    code_name,
+    message_for,
+    parsed_or_none,
+)
 from serve_app.lifecycle import ModelLifecycle
 from serve_app.messages import Answer, Job, OipOutput, Served
 from serve_app.pixels import client_pixels
 from serve_app.streams import StreamRunner, start_task
 from serve_app.v1 import budget_s
+
+SERVICE = "inference.GRPCInferenceService"
+NOT_A_REQUEST = "message is not an inference.ModelInferRequest"
 
 
 def _bytes_elements(raw: bytes) -> list[bytes]:
@@ -82,7 +94,9 @@ def _images(request: oip.ModelInferRequest) -> tuple[bytes, ...]:
         images = _bytes_elements(request.raw_input_contents[0])
     else:
         images = list(tensor.contents.bytes_contents)
-    expected = int(np.prod(tensor.shape)) if tensor.shape else len(images)
+    if any(size < 0 for size in tensor.shape):
+        raise InvalidArgument(f"input shape {list(tensor.shape)[:8]} has a negative size")
+    expected = math.prod(tensor.shape) if tensor.shape else len(images)
     if len(images) != expected:
         raise InvalidArgument(
             f"input shape {list(tensor.shape)} holds {expected} elements, got {len(images)}"
@@ -122,6 +136,23 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
         self._streams = streams
         self._models = models
 
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The service's methods, as grpc's generated code registers them, but for inference:
+        bytes that are not a ModelInferRequest are answered INVALID_ARGUMENT (gRPC's own parse
+        would end the call, or the whole stream, with UNKNOWN), and the stream reads raw
+        bytes, parsing each message itself (their size comes free)."""
+        handlers = {}
+        for method in oip.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
+            request = getattr(oip, method.input_type.name)
+            response = getattr(oip, method.output_type.name).SerializeToString
+            call = getattr(self, method.name)
+            if method.name == "ModelStreamInfer":
+                handlers[method.name] = grpc.stream_stream_rpc_method_handler(call, None, response)
+                continue
+            parse = parsed_or_none(request) if method.name == "ModelInfer" else request.FromString
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(call, parse, response)
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
     def _job(self, request: oip.ModelInferRequest, context, flow: str) -> tuple[Job, float | None]:
         core = self._core
         core.check_id(request.id)
@@ -156,11 +187,15 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
         core.check_count(job.count)
         return job, budget_s(0, context)
 
-    async def _infer(self, request: oip.ModelInferRequest, context, stream: str) -> Answer:
-        """One request through the core: its answer (payload bytes, or code and message)."""
+    async def _infer(self, request: oip.ModelInferRequest | None, context, stream: str) -> Answer:
+        """One request through the core: its answer (payload bytes, or code and message);
+        None for bytes that were not a request."""
         core = self._core
 
         def start(reply):
+            if request is None:
+                job = Job(id="", protocol="oip")
+                return core.refuse(job, InvalidArgument(NOT_A_REQUEST), reply, stream)
             try:
                 job, budget = self._job(request, context, context.peer())
             except RaystreamError as exc:
@@ -180,7 +215,10 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
         """Requests run concurrently (as on raystream.v1's stream) and are answered in
         completion order, each with its `id`; a failed one gets `error_message`."""
 
-        async def answer(request: oip.ModelInferRequest) -> oip.ModelStreamInferResponse:
+        parse = parsed_or_none(oip.ModelInferRequest)
+
+        async def answer(raw: bytes) -> oip.ModelStreamInferResponse:
+            request = parse(raw)
             try:
                 result = await self._infer(request, context, "oip-stream")
             except Exception as exc:  # a bug: the request still gets its answer
@@ -190,15 +228,15 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
             if result.code:
                 return oip.ModelStreamInferResponse(
                     error_message=f"{code_name(result.code)}: {result.message}",
-                    infer_response=oip.ModelInferResponse(id=self._core.bounded_id(request.id)),
+                    infer_response=oip.ModelInferResponse(
+                        id=self._core.bounded_id(request.id if request is not None else "")
+                    ),
                 )
             return oip.ModelStreamInferResponse(
                 infer_response=oip.ModelInferResponse.FromString(result.payload)
             )
 
-        async for response in self._streams.run(
-            request_iterator, start_task(answer), size=oip.ModelInferRequest.ByteSize
-        ):
+        async for response in self._streams.run(request_iterator, start_task(answer), size=len):
             yield response
         if self._streams.draining:
             await context.abort(

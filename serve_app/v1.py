@@ -14,7 +14,13 @@ from google.protobuf.message import DecodeError
 
 from raystream.v1 import classifier_pb2 as pb
 from serve_app.core import ServingCore
-from serve_app.errors import DuplicateRequest, InvalidArgument, RaystreamError, clip
+from serve_app.errors import (
+    DuplicateRequest,
+    InvalidArgument,
+    RaystreamError,
+    clip,
+    parsed_or_none,
+)
 from serve_app.messages import Answer, Job
 from serve_app.pixels import client_pixels
 from serve_app.request_images import split_images
@@ -95,13 +101,14 @@ class ClassifierService:
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The service's methods; Classify and ClassifyOnce answer with bytes as they are."""
-        parse = pb.ClassifyRequest.FromString
         return grpc.method_handlers_generic_handler(
             SERVICE,
             {
                 # Raw bytes in: the stream parses them itself (serve_app/v1.py _parsed)
                 "Classify": grpc.stream_stream_rpc_method_handler(self.Classify, None, None),
-                "ClassifyOnce": grpc.unary_unary_rpc_method_handler(self.ClassifyOnce, parse, None),
+                "ClassifyOnce": grpc.unary_unary_rpc_method_handler(
+                    self.ClassifyOnce, parsed_or_none(pb.ClassifyRequest), None
+                ),
                 "GetModelInfo": grpc.unary_unary_rpc_method_handler(
                     self.GetModelInfo,
                     pb.ModelInfoRequest.FromString,
@@ -210,8 +217,13 @@ class ClassifierService:
         return "" if too_long else request_id
 
     async def ClassifyOnce(self, request, context):
-        images, peer = tuple(request.images), context.peer()
-        answer = await self._core.unary(
+        core, peer = self._core, context.peer()
+        if request is None:  # not a ClassifyRequest: answered as the stream answers it
+            exc = InvalidArgument("message is not a raystream.v1.ClassifyRequest")
+            answer = await core.unary(lambda reply: core.refuse(Job(id=""), exc, reply, "unary"))
+            return answer.payload
+        images = tuple(request.images)
+        answer = await core.unary(
             lambda reply: self._start(request, images, reply, context, peer, "unary")
         )
         return answer.payload

@@ -163,3 +163,60 @@ async def test_a_message_that_is_not_a_request_fails_alone(hardened, photos) -> 
     assert by_id[""].error.code == INVALID_ARGUMENT
     assert "not a raystream.v1.ClassifyRequest" in by_id[""].error.message
     assert by_id["one"].error.code == 0 and by_id["two"].error.code == 0
+
+
+async def test_a_message_that_is_not_a_request_is_refused_on_every_inference_call(
+    hardened, photos
+) -> None:
+    """The same bytes on ClassifyOnce, OIP ModelInfer and OIP ModelStreamInfer: refused as
+    INVALID_ARGUMENT each in its protocol's way, and the OIP stream goes on (gRPC's own
+    parse answered UNKNOWN, and ended the stream)."""
+    from raystream.oip import grpc_predict_v2_pb2 as oip
+
+    junk = b"\xff" * 5
+    request = oip.ModelInferRequest(
+        id="good",
+        inputs=[
+            oip.ModelInferRequest.InferInputTensor(
+                name="images",
+                datatype="BYTES",
+                shape=[1],
+                contents=oip.InferTensorContents(bytes_contents=[photos["coffee"]]),
+            )
+        ],
+    ).SerializeToString()
+    async with grpc.aio.insecure_channel(hardened[0]) as channel:
+        once = channel.unary_unary(
+            "/raystream.v1.ImageClassifier/ClassifyOnce", None, pb.ClassifyResponse.FromString
+        )
+        answer = await once(junk)
+        assert answer.error.code == INVALID_ARGUMENT
+        assert "not a raystream.v1.ClassifyRequest" in answer.error.message
+        infer = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer", None, oip.ModelInferResponse.FromString
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await infer(junk)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not an inference.ModelInferRequest" in refused.value.details()
+        stream = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            None,
+            oip.ModelStreamInferResponse.FromString,
+        )
+        answers = [a async for a in stream(iter([junk, request]))]
+    errors = sorted(a.error_message for a in answers)
+    assert len(answers) == 2 and errors[0] == ""  # "good" answered
+    assert errors[1].startswith("INVALID_ARGUMENT: message is not an inference.ModelInferRequest")
+
+
+def test_an_oip_shape_with_a_negative_size_is_refused() -> None:
+    """[-1, -1] once counted as one element (its product), so it passed for one image."""
+    from raystream.oip import grpc_predict_v2_pb2 as oip
+    from serve_app.errors import InvalidArgument
+    from serve_app.oip import _images
+
+    tensor = oip.ModelInferRequest.InferInputTensor(name="images", datatype="BYTES", shape=[-1, -1])
+    tensor.contents.bytes_contents.append(b"x")
+    with pytest.raises(InvalidArgument, match="negative size"):
+        _images(oip.ModelInferRequest(inputs=[tensor]))
