@@ -50,7 +50,7 @@ from serve_app.lifecycle import ModelLifecycle
 from serve_app.messages import Answer, Job, OipOutput, Served
 from serve_app.pixels import client_pixels
 from serve_app.streams import StreamRunner, start_task
-from serve_app.v1 import budget_s
+from serve_app.v1 import budget_s, unary
 
 SERVICE = "inference.GRPCInferenceService"
 NOT_A_REQUEST = "message is not an inference.ModelInferRequest"
@@ -137,20 +137,22 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
         self._models = models
 
     def handler(self) -> grpc.GenericRpcHandler:
-        """The service's methods, as grpc's generated code registers them, but for inference:
-        bytes that are not a ModelInferRequest are answered INVALID_ARGUMENT (gRPC's own parse
-        would end the call, or the whole stream, with UNKNOWN), and the stream reads raw
-        bytes, parsing each message itself (their size comes free)."""
+        """The service's methods, where bytes that are not the method's request are answered
+        INVALID_ARGUMENT (gRPC's own parse would end the call, or the whole stream, with
+        UNKNOWN). `ModelInfer` refuses them as it refuses a bad request (metrics, logs), and
+        the stream reads raw bytes, parsing each message itself (their size comes free)."""
         handlers = {}
         for method in oip.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
-            request = getattr(oip, method.input_type.name)
-            response = getattr(oip, method.output_type.name).SerializeToString
-            call = getattr(self, method.name)
+            call, request = getattr(self, method.name), getattr(oip, method.input_type.name)
             if method.name == "ModelStreamInfer":
-                handlers[method.name] = grpc.stream_stream_rpc_method_handler(call, None, response)
-                continue
-            parse = parsed_or_none(request) if method.name == "ModelInfer" else request.FromString
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(call, parse, response)
+                serialize = oip.ModelStreamInferResponse.SerializeToString
+                handlers[method.name] = grpc.stream_stream_rpc_method_handler(call, None, serialize)
+            elif method.name == "ModelInfer":
+                handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                    call, parsed_or_none(request), oip.ModelInferResponse.SerializeToString
+                )
+            else:
+                handlers[method.name] = unary(call, request)
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
     def _job(self, request: oip.ModelInferRequest, context, flow: str) -> tuple[Job, float | None]:

@@ -45,6 +45,23 @@ def budget_s(timeout_ms: int, context: grpc.aio.ServicerContext | None) -> float
     return min(budgets) if budgets else None
 
 
+def unary(call, message: type) -> grpc.RpcMethodHandler:
+    """A unary method's handler whose bytes that are not a `message` are refused with
+    INVALID_ARGUMENT (gRPC's own parse answers UNKNOWN); its response goes out as protobuf."""
+    name = message.DESCRIPTOR.full_name
+
+    async def checked(request, context):
+        if request is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"message is not a {name}")
+        return await call(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(checked, parsed_or_none(message), _serialized)
+
+
+def _serialized(response) -> bytes:
+    return response.SerializeToString()
+
+
 def outputs(requested: Sequence[int]) -> tuple[bool, bool]:
     """(labels, embedding): what a request's `outputs` ask for; empty means labels."""
     labels = embedding = False
@@ -109,11 +126,7 @@ class ClassifierService:
                 "ClassifyOnce": grpc.unary_unary_rpc_method_handler(
                     self.ClassifyOnce, parsed_or_none(pb.ClassifyRequest), None
                 ),
-                "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-                    self.GetModelInfo,
-                    pb.ModelInfoRequest.FromString,
-                    pb.ModelInfo.SerializeToString,
-                ),
+                "GetModelInfo": unary(self.GetModelInfo, pb.ModelInfoRequest),
             },
         )
 

@@ -210,6 +210,20 @@ async def test_a_message_that_is_not_a_request_is_refused_on_every_inference_cal
     assert errors[1].startswith("INVALID_ARGUMENT: message is not an inference.ModelInferRequest")
 
 
+@pytest.mark.parametrize(
+    "method",
+    ["/raystream.v1.ImageClassifier/GetModelInfo", "/inference.GRPCInferenceService/ModelMetadata"],
+)
+async def test_a_message_that_is_not_a_request_is_refused_by_the_metadata_calls(
+    hardened, method
+) -> None:
+    async with grpc.aio.insecure_channel(hardened[0]) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await channel.unary_unary(method)(b"\xff" * 5)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "message is not a " in refused.value.details()
+
+
 def test_an_oip_shape_with_a_negative_size_is_refused() -> None:
     """[-1, -1] once counted as one element (its product), so it passed for one image."""
     from raystream.oip import grpc_predict_v2_pb2 as oip
