@@ -50,7 +50,7 @@ from serve_app.lifecycle import ModelLifecycle
 from serve_app.messages import Answer, Job, OipOutput, Served
 from serve_app.pixels import client_pixels
 from serve_app.streams import StreamRunner, start_task
-from serve_app.v1 import budget_s, unary
+from serve_app.v1 import budget_s, unary_handler
 
 SERVICE = "inference.GRPCInferenceService"
 NOT_A_REQUEST = "message is not an inference.ModelInferRequest"
@@ -152,7 +152,7 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
                     call, parsed_or_none(request), oip.ModelInferResponse.SerializeToString
                 )
             else:
-                handlers[method.name] = unary(call, request)
+                handlers[method.name] = unary_handler(call, request)
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
     def _job(self, request: oip.ModelInferRequest, context, flow: str) -> tuple[Job, float | None]:

@@ -45,7 +45,7 @@ def budget_s(timeout_ms: int, context: grpc.aio.ServicerContext | None) -> float
     return min(budgets) if budgets else None
 
 
-def unary(call, message: type) -> grpc.RpcMethodHandler:
+def unary_handler(call, message: type) -> grpc.RpcMethodHandler:
     """A unary method's handler whose bytes that are not a `message` are refused with
     INVALID_ARGUMENT (gRPC's own parse answers UNKNOWN); its response goes out as protobuf."""
     name = message.DESCRIPTOR.full_name
@@ -126,22 +126,25 @@ class ClassifierService:
                 "ClassifyOnce": grpc.unary_unary_rpc_method_handler(
                     self.ClassifyOnce, parsed_or_none(pb.ClassifyRequest), None
                 ),
-                "GetModelInfo": unary(self.GetModelInfo, pb.ModelInfoRequest),
+                "GetModelInfo": unary_handler(self.GetModelInfo, pb.ModelInfoRequest),
             },
         )
 
     def _start(
         self,
-        request: pb.ClassifyRequest,
+        request: pb.ClassifyRequest | None,
         images: Sequence[bytes],
         reply: Callable[[Answer], None],
         context: grpc.aio.ServicerContext,
         flow: str,
         stream: str,
     ):
-        """Check `request` (its `images` apart) and hand it to the core; refusals are
-        answered at once."""
+        """Check `request` (its `images` apart; None: bytes that were not a request) and
+        hand it to the core; refusals are answered at once."""
         core = self._core
+        if request is None:
+            exc = InvalidArgument("message is not a raystream.v1.ClassifyRequest")
+            return core.refuse(Job(id=""), exc, reply, stream)
         request_id, job = core.bounded_id(request.request_id), None
         try:
             core.check_id(request.request_id)
@@ -180,10 +183,6 @@ class ClassifierService:
         pending = []
 
         def start(read: _Read, reply: Callable[[Answer], None]) -> None:
-            if read.request is None:
-                exc = InvalidArgument("message is not a raystream.v1.ClassifyRequest")
-                self._core.refuse(Job(id=""), exc, lambda a: reply(a.payload), stream)
-                return
             handle = self._start(
                 read.request, read.images, lambda a: reply(a.payload), context, stream, stream
             )
@@ -230,13 +229,8 @@ class ClassifierService:
         return "" if too_long else request_id
 
     async def ClassifyOnce(self, request, context):
-        core, peer = self._core, context.peer()
-        if request is None:  # not a ClassifyRequest: answered as the stream answers it
-            exc = InvalidArgument("message is not a raystream.v1.ClassifyRequest")
-            answer = await core.unary(lambda reply: core.refuse(Job(id=""), exc, reply, "unary"))
-            return answer.payload
-        images = tuple(request.images)
-        answer = await core.unary(
+        images, peer = tuple(request.images) if request is not None else (), context.peer()
+        answer = await self._core.unary(
             lambda reply: self._start(request, images, reply, context, peer, "unary")
         )
         return answer.payload
