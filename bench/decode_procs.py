@@ -12,6 +12,10 @@ only) instead of torchvision's. Under CUDA MPS, as the GPU configs run:
     bash bench/gpu_mps.sh python3 bench/decode_procs.py       (after: source bench/gpu_env.sh)
     bash bench/gpu_mps.sh python3 bench/decode_procs.py --processes 12 --decode-only --batch 8
     bash bench/gpu_mps.sh python3 bench/decode_procs.py --decoder nvimgcodec
+    bash bench/gpu_mps.sh python3 bench/decode_procs.py --processes 12 --chunk 8
+
+`--chunk N`: the decoder hands nvJPEG N JPEGs a call (as an Inference replica does, see
+engines/gpu_decode.DECODE_CHUNK); without it, the whole call at once.
 """
 
 import argparse
@@ -67,10 +71,14 @@ def worker(args, start_at, queue):
     photos = load.builtin_photos()
     jpegs = [photos[i % len(photos)] for i in range(args.batch)]
     decode_batch = nvimgcodec_decode(0) if args.decoder == "nvimgcodec" else None
-    decoder = GpuJpegDecoder(PreprocessSpec(), DecodeLimits(), decode_batch=decode_batch)
+    decoder = GpuJpegDecoder(
+        PreprocessSpec(), DecodeLimits(), decode_batch=decode_batch, chunk=args.chunk or args.batch
+    )
 
     def decode_alone():  # no resize or crop: where the CPU goes, the decode or the rest
-        decoder.decode_batch(jpegs)
+        step = args.chunk or args.batch
+        for i in range(0, len(jpegs), step):
+            decoder.decode_batch(jpegs[i : i + step])
         wait_asleep(torch.cuda.current_stream())
 
     work = decode_alone if args.decode_only else lambda: decoder.crops_many([jpegs])
@@ -96,6 +104,9 @@ def main():
     parser.add_argument("--processes", default="1,12,4", help="process counts, in turn")
     parser.add_argument("--decode-only", action="store_true", help="the decode alone, no crop")
     parser.add_argument("--batch", type=int, default=64, help="photos a call")
+    parser.add_argument(
+        "--chunk", type=int, default=0, help="JPEGs a batched nvJPEG call (0: the whole call)"
+    )
     parser.add_argument("--decoder", choices=("torchvision", "nvimgcodec"), default="torchvision")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "/tmp")) / "procs.txt"
@@ -113,6 +124,7 @@ def main():
         images = calls * args.batch
         line = (
             f"{n:2} processes, {args.decoder}, calls of {args.batch}"
+            f"{f' in chunks of {args.chunk}' * bool(args.chunk)}"
             f"{', decode alone' * args.decode_only}: {images / SECONDS:8.0f} img/s  "
             f"{(user + system) * 1000 / images:.3f} CPU ms/img (user {user * 1000 / images:.3f}, "
             f"kernel {system * 1000 / images:.3f}), a call {SECONDS * n * 1000 / calls:.1f} ms, "

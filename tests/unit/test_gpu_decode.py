@@ -136,6 +136,31 @@ def test_requests_decode_together_and_a_bad_jpeg_fails_alone(model, photos) -> N
     assert torch.equal(whole.pixels[2], crops[1].pixels[0])
 
 
+def test_a_decoder_decodes_in_chunks_with_the_same_results(model, photos) -> None:
+    """nvJPEG is handed at most `chunk` JPEGs a call; the crops, positions and errors are
+    those of one call, a bad JPEG in a later chunk included."""
+    from engines.gpu_decode import GpuJpegDecoder
+    from engines.images import DecodeLimits
+
+    spec = model.spec.preprocess
+    whole, chunked = _PilBatchDecoder(), _PilBatchDecoder()
+    decoders = [
+        GpuJpegDecoder(spec, DecodeLimits(), device="cpu", decode_batch=whole, chunk=64),
+        GpuJpegDecoder(spec, DecodeLimits(), device="cpu", decode_batch=chunked, chunk=3),
+    ]
+    first = [photos["chelsea"], photos["coffee"]]
+    bad = [photos["coffee"], b"\xff\xd8\xff\xdb" + b"\x00" * 64 + b"\xff\xd9"]
+    second = [photos["rocket"], photos["chelsea"], photos["astronaut"]]
+    for requests in ([first, second], [first, bad, second]):
+        expected, crops = (decoder.crops_many(requests) for decoder in decoders)
+        assert [c.good for c in crops] == [c.good for c in expected]
+        assert [[i for i, _ in c.errors] for c in crops] == [
+            [i for i, _ in c.errors] for c in expected
+        ]
+        assert all(torch.equal(c.pixels, e.pixels) for c, e in zip(crops, expected, strict=True))
+    assert chunked.calls[:2] == [3, 2] and max(chunked.calls) <= 3
+
+
 async def test_a_gpu_decode_replica_decodes_the_jpegs_of_waiting_calls_together(
     model_repository, photos, monkeypatch
 ) -> None:
@@ -149,8 +174,8 @@ async def test_a_gpu_decode_replica_decodes_the_jpegs_of_waiting_calls_together(
     decoder = _PilBatchDecoder()
     construct = gpu_decode.GpuJpegDecoder.__init__
 
-    def on_the_cpu(self, spec, limits, **_):
-        construct(self, spec, limits, device="cpu", decode_batch=decoder)
+    def on_the_cpu(self, spec, limits, **_):  # a piece in one call: its JPEGs counted together
+        construct(self, spec, limits, device="cpu", decode_batch=decoder, chunk=DECODE_BATCH)
 
     monkeypatch.setattr(gpu_decode.GpuJpegDecoder, "__init__", on_the_cpu)
     config = AppConfig(model_repository=model_repository, decode="gpu")
