@@ -4,6 +4,7 @@ results (the stage writes the wire format itself, from bytes made once per model
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from raystream.v1 import classifier_pb2 as pb
 from serve_app.answers import answer_all, oip_answer, v1_answer
@@ -75,6 +76,8 @@ def test_a_copy_keeps_the_image_count_and_leaves_the_job_alone() -> None:
     bare = job.without_inputs()
     assert (bare.images, bare.count, bare.top_k, bare.id) == ((), 2, 3, "a")
     assert job.images == (b"x", b"y") and bare == copied(job, images=())
+    with pytest.raises(TypeError, match="no field imagez"):  # a misspelled field is refused
+        copied(job, imagez=())
 
 
 def test_a_request_of_no_images_reports_no_image_codes() -> None:
