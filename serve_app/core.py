@@ -252,12 +252,19 @@ class ServingCore:
 
     def abandon(self, pending: _Pending) -> None:
         """Nobody waits for this answer any more (its stream ended): if it is still queued
-        it is not sent; no answer is made."""
+        it is not sent; no answer is made. The metrics count it as CANCELLED."""
         if not pending.done:
             pending.done = True
             if pending.timer is not None:
                 pending.timer.cancel()
             self._done(pending.job)
+            count = pending.job.count
+            self._metrics.record(
+                code="CANCELLED",
+                image_codes={"CANCELLED": count} if count else {},
+                total_ms=(time.perf_counter() - pending.started) * 1000.0,
+                stage_ms={},
+            )
             self._release(pending)
 
     def _release(self, pending: _Pending) -> None:

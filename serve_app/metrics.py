@@ -52,12 +52,12 @@ class IngressMetrics:
         self.requests = Counter(
             "raystream_inference_request_total",
             tag_keys=("code",),
-            description="Requests answered, by gRPC status code.",
+            description="Requests ended, by gRPC status code (CANCELLED: the client left first).",
         )
         self.images = Counter(
             "raystream_inference_image_total",
             tag_keys=("code",),
-            description="Images answered, by gRPC status code.",
+            description="Images ended, by gRPC status code (CANCELLED: the client left first).",
         )
         self.rejected = Counter(
             "raystream_rejected_request_total",

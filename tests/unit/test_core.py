@@ -111,6 +111,10 @@ async def test_an_abandoned_request_is_not_sent(core, photos) -> None:
     chain.gate.set()
     await asyncio.gather(first, kept)
     assert chain.calls == [1, 1] and answered == [] and core.requests_in_flight == 0
+    ended = core._metrics._pending  # what the next flush hands to Ray's counters
+    assert ended[core._metrics.requests, "code", "CANCELLED"] == 1
+    assert ended[core._metrics.images, "code", "CANCELLED"] == 1
+    assert ended[core._metrics.requests, "code", "OK"] == 2
 
 
 class LosesReplicas:
