@@ -14,8 +14,8 @@ only) instead of torchvision's. Under CUDA MPS, as the GPU configs run:
     bash bench/gpu_mps.sh python3 bench/decode_procs.py --decoder nvimgcodec
     bash bench/gpu_mps.sh python3 bench/decode_procs.py --processes 12 --chunk 8
 
-`--chunk N`: the decoder hands nvJPEG N JPEGs a call (as an Inference replica does, see
-engines/gpu_decode.DECODE_CHUNK); without it, the whole call at once.
+`--chunk N`: the decoder hands nvJPEG N JPEGs a call; without it, the whole call at once,
+as an Inference replica does.
 """
 
 import argparse
@@ -72,7 +72,7 @@ def worker(args, start_at, queue):
     jpegs = [photos[i % len(photos)] for i in range(args.batch)]
     decode_batch = nvimgcodec_decode(0) if args.decoder == "nvimgcodec" else None
     decoder = GpuJpegDecoder(
-        PreprocessSpec(), DecodeLimits(), decode_batch=decode_batch, chunk=args.chunk or args.batch
+        PreprocessSpec(), DecodeLimits(), decode_batch=decode_batch, chunk=args.chunk or None
     )
 
     def decode_alone():  # no resize or crop: where the CPU goes, the decode or the rest

@@ -27,11 +27,6 @@ from engines.cuda_graphs import wait_asleep
 from engines.images import DecodeLimits, InvalidImage, decode
 from engines.repository import PreprocessSpec
 
-# JPEGs per batched nvJPEG call. With twelve processes decoding on one GPU, a process's CPU
-# follows the time it waits inside the call, and calls of 8 photos cost 0.35 ms of CPU an
-# image against 0.75 for calls of 64, at more images a second (docs/performance.md, row 6)
-DECODE_CHUNK = 8
-
 
 @dataclass(frozen=True)
 class Crops:
@@ -66,10 +61,13 @@ class GpuJpegDecoder:
         limits: DecodeLimits,
         device: str = "cuda",
         decode_batch: BatchDecode | None = None,
-        chunk: int = DECODE_CHUNK,
+        chunk: int | None = None,
     ) -> None:
         """decode_batch: torchvision's batched nvJPEG when None (tests pass others); chunk:
-        the most JPEGs it is given at once."""
+        the most JPEGs it is given at once (None: a call's all). Twelve processes decoding
+        alone spent less CPU in chunks of 8 than in calls of 64 (0.18 ms an image against
+        0.73), but the served config, its GPU busy with the engines too, served less at
+        more CPU with them (docs/performance.md, row 6): the Inference replicas use None."""
         self._spec, self._limits, self._device = spec, limits, torch.device(device)
         self._chunk = chunk
         self.decode_batch = decode_batch or self._torchvision_decoder()
@@ -118,7 +116,7 @@ class GpuJpegDecoder:
 
     def _decode(self, jpegs: list[bytes]) -> list[torch.Tensor]:
         """decode_batch in calls of at most `chunk` JPEGs."""
-        step = self._chunk
+        step = self._chunk or max(len(jpegs), 1)
         return [
             image
             for i in range(0, len(jpegs), step)

@@ -145,7 +145,7 @@ def test_a_decoder_decodes_in_chunks_with_the_same_results(model, photos) -> Non
     spec = model.spec.preprocess
     whole, chunked = _PilBatchDecoder(), _PilBatchDecoder()
     decoders = [
-        GpuJpegDecoder(spec, DecodeLimits(), device="cpu", decode_batch=whole, chunk=64),
+        GpuJpegDecoder(spec, DecodeLimits(), device="cpu", decode_batch=whole),
         GpuJpegDecoder(spec, DecodeLimits(), device="cpu", decode_batch=chunked, chunk=3),
     ]
     first = [photos["chelsea"], photos["coffee"]]
@@ -174,8 +174,8 @@ async def test_a_gpu_decode_replica_decodes_the_jpegs_of_waiting_calls_together(
     decoder = _PilBatchDecoder()
     construct = gpu_decode.GpuJpegDecoder.__init__
 
-    def on_the_cpu(self, spec, limits, **_):  # a piece in one call: its JPEGs counted together
-        construct(self, spec, limits, device="cpu", decode_batch=decoder, chunk=DECODE_BATCH)
+    def on_the_cpu(self, spec, limits, **_):
+        construct(self, spec, limits, device="cpu", decode_batch=decoder)
 
     monkeypatch.setattr(gpu_decode.GpuJpegDecoder, "__init__", on_the_cpu)
     config = AppConfig(model_repository=model_repository, decode="gpu")
