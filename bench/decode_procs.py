@@ -76,9 +76,7 @@ def worker(args, start_at, queue):
     )
 
     def decode_alone():  # no resize or crop: where the CPU goes, the decode or the rest
-        step = args.chunk or args.batch
-        for i in range(0, len(jpegs), step):
-            decoder.decode_batch(jpegs[i : i + step])
+        decoder.decode_in_chunks(jpegs)
         wait_asleep(torch.cuda.current_stream())
 
     work = decode_alone if args.decode_only else lambda: decoder.crops_many([jpegs])

@@ -105,7 +105,7 @@ class GpuJpegDecoder:
         """A bad JPEG fails the whole batched call: then each request is decoded on its own,
         and only the one holding the bad JPEG goes image by image."""
         try:
-            images = self._decode([jpeg for jpegs in requests for jpeg in jpegs])
+            images = self.decode_in_chunks([jpeg for jpegs in requests for jpeg in jpegs])
         except RuntimeError:
             if len(requests) == 1:
                 return [self._one_by_one(requests[0])]
@@ -114,7 +114,7 @@ class GpuJpegDecoder:
         bounds = itertools.accumulate((len(jpegs) for jpegs in requests), initial=0)
         return [Crops(crops[lo:hi], tuple(range(hi - lo))) for lo, hi in itertools.pairwise(bounds)]
 
-    def _decode(self, jpegs: list[bytes]) -> list[torch.Tensor]:
+    def decode_in_chunks(self, jpegs: list[bytes]) -> list[torch.Tensor]:
         """decode_batch in calls of at most `chunk` JPEGs."""
         step = self._chunk or max(len(jpegs), 1)
         return [
