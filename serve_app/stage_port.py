@@ -38,6 +38,7 @@ from typing import Any
 
 import grpc
 
+from serve_app import request_images
 from serve_app.messages import Batch
 from serve_app.registry import ModelRegistry
 from serve_app.shared_images import ImageReader, ImageWriter, SharedImagesMissing
@@ -191,7 +192,7 @@ class PortCalls:
         return await self._send(address, batch)
 
     async def _send(self, address: str, message: Batch | tuple) -> tuple[bool, Any]:
-        request = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+        request = request_images.dumps(message)
         return pickle.loads(await self._channels[address](request, metadata=self._metadata))
 
     def _pick(self) -> str | None:

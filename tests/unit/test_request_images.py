@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import pickle
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raystream.v1 import classifier_pb2 as pb
-from serve_app import shared_images, v1
+from serve_app import request_images, shared_images, v1
 from serve_app.messages import Batch, Job
 from serve_app.request_images import ImageSpans, buffers, pick, split_images
 from serve_app.shared_images import ImageReader, ImageWriter
@@ -105,17 +106,24 @@ def test_spans_read_as_a_tuple_of_bytes() -> None:
     assert pick((b"x", b"y", b"z"), [1]) == (b"y",)
 
 
-def test_a_job_with_spans_travels_as_a_tuple_of_its_images() -> None:
-    # A stage replica of any raystream version reads it (a rolling update mixes versions).
+@pytest.mark.parametrize("dumps", [pickle.dumps, request_images.dumps])
+def test_a_job_with_spans_travels_as_a_tuple_of_its_images(dumps) -> None:
+    # A stage replica of any raystream version reads it (a rolling update mixes versions),
+    # pickled by Ray's serializer or, for a call over a stage port, by request_images.dumps.
     photos = [bytes(range(256)) * 300, b"\xff\xd8" * 5000]
     message = pb.ClassifyRequest(request_id="r", images=photos).SerializeToString()
     _, images = split_images(message, IMAGES_FIELD)
     job = Job(id="r", images=images)
     assert job.count == 2
-    pickled = pickle.dumps(Batch(jobs=(job,)))
+    other = Job(id="s", images=(b"plain",), pixels=np.ones((1, 3, 2, 2), np.float32))
+    pickled = dumps(Batch(jobs=(job, other)))
     assert b"request_images" not in pickled
-    assert pickle.loads(pickled).jobs[0].images == tuple(photos)
-    assert type(pickle.loads(pickled).jobs[0].images) is tuple
+    assert len(pickled) < sum(map(len, photos)) + 2000  # each image written once
+    jobs = pickle.loads(pickled).jobs
+    assert jobs[0].images == tuple(photos)
+    assert type(jobs[0].images) is tuple
+    assert all(type(image) is bytes for image in jobs[0].images)
+    assert jobs[1].images == (b"plain",) and np.array_equal(jobs[1].pixels, other.pixels)
 
 
 def test_spans_go_into_shared_memory_whole(tmp_path, monkeypatch) -> None:
