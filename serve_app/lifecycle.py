@@ -119,10 +119,9 @@ class ModelLifecycle:
         wanted = self.versions_for(name, latest, versions)
         keys = [key_of(name, version) for version in wanted]
         async with self._lock:
-            desired = await asyncio.to_thread(self._registry.desired)
-            desired.update(dict.fromkeys(keys, "serve"))
-            await asyncio.to_thread(self._registry.set_desired, desired)
+            await asyncio.to_thread(self._registry.set_state, keys, "serve")
             await self._until_routed(keys)
+            desired = await asyncio.to_thread(self._registry.desired)
             others = [k for k in desired if split_key(k)[0] == name and k not in keys]
             await self._unload(others)
         return wanted
@@ -151,11 +150,8 @@ class ModelLifecycle:
             failed = await asyncio.to_thread(self._registry.failures, self._stages)
             errors = {key: failed[key] for key in keys if key in failed}
             if errors:
-                desired = await asyncio.to_thread(self._registry.desired)
-                for key in errors:
-                    if key not in self._core.models:
-                        desired.pop(key, None)
-                await asyncio.to_thread(self._registry.set_desired, desired)
+                failed_here = [key for key in errors if key not in self._core.models]
+                await asyncio.to_thread(self._registry.remove, failed_here, "serve")
                 raise Unavailable(f"loading failed: {errors}")
             if time.monotonic() > deadline:
                 raise DeadlineExceeded(f"{keys} not ready on every replica in {LOAD_TIMEOUT_S} s")
@@ -165,9 +161,7 @@ class ModelLifecycle:
         """Drain `keys` (no new requests; those in flight finish), then remove them."""
         if not keys:
             return
-        desired = await asyncio.to_thread(self._registry.desired)
-        desired.update(dict.fromkeys(keys, "drain"))
-        await asyncio.to_thread(self._registry.set_desired, desired)
+        await asyncio.to_thread(self._registry.set_state, keys, "drain")
         deadline = time.monotonic() + self._drain_timeout_s + 2 * POLL_S
         while True:
             await self.follow_once()  # this ingress stops routing them at once
@@ -178,10 +172,7 @@ class ModelLifecycle:
             if time.monotonic() > deadline:
                 logger.warning("unloading %s with requests still in flight", keys)
                 break
-        desired = await asyncio.to_thread(self._registry.desired)
-        for key in keys:
-            desired.pop(key, None)
-        await asyncio.to_thread(self._registry.set_desired, desired)
+        await asyncio.to_thread(self._registry.remove, keys, "drain")
         logger.info("unloaded %s", keys)
 
     # -- the repository index -------------------------------------------------------------------

@@ -1,9 +1,13 @@
 """Which model versions an application serves, shared by its replicas: the desired state
 that load and unload change at run time, and what each replica reports it holds.
 
-    desired   {"efficientnet-lite0/1": "serve", "efficientnet-lite0/2": "serve"}
+    desired   one key per version: "efficientnet-lite0/1" -> "serve", ... -> "drain"
     reports   one per replica, rewritten every POLL_S: the versions it holds (stage
               replicas) or routes and has requests in flight for (ingress replicas)
+
+Each version's state is a key of its own, so loads and unloads sent at once through
+different ingress replicas change only their own versions: the store has no transactions,
+and one document rewritten whole by two replicas would keep only the last one's change.
 
 A version's life: `serve` (every stage replica loads and warms it, then reports it held; an
 ingress routes to it once every live replica of every stage deployment holds it), `drain`
@@ -24,11 +28,17 @@ from typing import Literal, Protocol
 State = Literal["serve", "drain"]
 POLL_S = 0.25  # how often replicas read the desired state and write their report
 FRESH_S = 5.0  # a report older than this is from a replica that is gone
+# How long a starting replica waits for the first one to write the initial state; past it
+# (that replica died in between), it writes the state itself.
+START_WAIT_S = 10.0
 
 
 class Store(Protocol):
     def get(self, key: str) -> bytes | None: ...
-    def put(self, key: str, value: bytes, overwrite: bool = True) -> None: ...
+    def put(self, key: str, value: bytes, overwrite: bool = True) -> bool:
+        """Whether `key` was added (it had no value)."""
+
+    def delete(self, key: str) -> None: ...
     def keys(self, prefix: str) -> list[str]: ...
 
 
@@ -41,9 +51,14 @@ class MemoryStore:
     def get(self, key: str) -> bytes | None:
         return self.data.get(key)
 
-    def put(self, key: str, value: bytes, overwrite: bool = True) -> None:
-        if overwrite or key not in self.data:
+    def put(self, key: str, value: bytes, overwrite: bool = True) -> bool:
+        added = key not in self.data
+        if overwrite or added:
             self.data[key] = value
+        return added
+
+    def delete(self, key: str) -> None:
+        self.data.pop(key, None)
 
     def keys(self, prefix: str) -> list[str]:
         return [key for key in self.data if key.startswith(prefix)]
@@ -59,10 +74,16 @@ class RayStore:
 
         return internal_kv._internal_kv_get(key, namespace=self.NAMESPACE)
 
-    def put(self, key: str, value: bytes, overwrite: bool = True) -> None:
+    def put(self, key: str, value: bytes, overwrite: bool = True) -> bool:
         from ray.experimental import internal_kv
 
-        internal_kv._internal_kv_put(key, value, overwrite, namespace=self.NAMESPACE)
+        existed = internal_kv._internal_kv_put(key, value, overwrite, namespace=self.NAMESPACE)
+        return not existed
+
+    def delete(self, key: str) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_del(key, namespace=self.NAMESPACE)
 
     def keys(self, prefix: str) -> list[str]:
         from ray.experimental import internal_kv
@@ -95,21 +116,45 @@ class ModelRegistry:
 
     def __init__(self, store: Store, instance: str) -> None:
         self._store = store
-        self._desired_key = f"{instance}/desired"
+        self._desired = f"{instance}/desired/"
+        self._claimed = f"{instance}/start/claimed"
+        self._written = f"{instance}/start/written"
         self._reports = f"{instance}/report/"
 
     def start(self, initial: Iterable[str]) -> dict[str, State]:
-        """The desired state; written as `initial` (all served) by the first replica."""
-        value = json.dumps(dict.fromkeys(sorted(initial), "serve")).encode()
-        self._store.put(self._desired_key, value, overwrite=False)
+        """The desired state. The instance's first replica writes it as `initial` (all
+        served); the others wait until it has, so none serves an empty state at start,
+        and none brings back a version unloaded since."""
+        if self._store.put(self._claimed, b"", overwrite=False):
+            self.set_state(initial, "serve")
+            self._store.put(self._written, b"")
+        deadline = time.monotonic() + START_WAIT_S
+        while self._store.get(self._written) is None:
+            if time.monotonic() > deadline:  # the first replica died before writing it
+                self.set_state(initial, "serve")
+                self._store.put(self._written, b"")
+            time.sleep(0.05)
         return self.desired()
 
     def desired(self) -> dict[str, State]:
-        raw = self._store.get(self._desired_key)
-        return {} if raw is None else json.loads(raw)
+        """Every version's state ("name/version" -> state)."""
+        found: dict[str, State] = {}
+        for key in self._store.keys(self._desired):
+            state = self._store.get(key)
+            if state is not None:  # removed since it was listed
+                found[key.removeprefix(self._desired)] = state.decode()
+        return found
 
-    def set_desired(self, desired: dict[str, State]) -> None:
-        self._store.put(self._desired_key, json.dumps(desired, sort_keys=True).encode())
+    def set_state(self, keys: Iterable[str], state: State) -> None:
+        for key in keys:
+            self._store.put(self._desired + key, state.encode())
+
+    def remove(self, keys: Iterable[str], only: State | None = None) -> None:
+        """Stop desiring `keys` (those in state `only`, if given: a version that another
+        replica loaded again meanwhile stays)."""
+        for key in keys:
+            if only is None or self._store.get(self._desired + key) == only.encode():
+                self._store.delete(self._desired + key)
 
     def report(
         self,

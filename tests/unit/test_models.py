@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import pytest
 
@@ -43,14 +44,14 @@ def test_version_policies(two_versions, versions) -> None:
 
 
 @contextlib.asynccontextmanager
-async def served(repository, versions: list[str]):
+async def served(repository, versions: list[str], store=None):
     """An ingress' core and lifecycle over one StageGroup (as in topology direct)."""
     config = AppConfig(
         model_repository=repository,
         models=[{"name": MODEL, "versions": versions}],
         engine={"kind": "onnxruntime", "batch_capacity": 8},
     )
-    registry = ModelRegistry(MemoryStore(), "test")
+    registry = ModelRegistry(store or MemoryStore(), "test")
     group = await StageGroup.create(config, STAGES, registry, "Ingress", "r1")
     core = ServingCore(config, [], group.run)
 
@@ -138,3 +139,63 @@ async def test_migration_loses_nothing_and_pinned_requests_never_switch(
         assert last_v1.code == Code.NOT_FOUND
         index = {(e.version, e.state) for e in life.index()}
         assert index == {(old, "UNAVAILABLE"), (new, "READY")}
+
+
+class SlowStore(MemoryStore):
+    """Every read takes a moment, as a GCS round trip does: replicas that change the state
+    at once read it before either has written."""
+
+    def get(self, key: str) -> bytes | None:
+        time.sleep(0.02)
+        return super().get(key)
+
+
+async def test_two_ingresses_unloading_at_once_both_take_effect(
+    two_versions, versions, caplog
+) -> None:
+    """Unloads of two versions sent through two ingress replicas at once: each changes only
+    its own version's state, so neither undoes the other and neither waits out the drain
+    timeout for a version the other put back."""
+    old, new = versions
+    store = SlowStore()
+    async with served(two_versions, [old, new], store) as (core, life, group):
+        assert sorted(core.models) == [f"{MODEL}/{old}", f"{MODEL}/{new}"]
+
+        async def info(key: str):
+            return group.info(key)
+
+        other = ModelLifecycle(
+            core,
+            ModelRegistry(store, "test"),
+            {"Ingress"},
+            "r2",
+            info,
+            two_versions,
+            drain_timeout_s=5,
+        )
+        unloaded = await asyncio.gather(life.unload(MODEL, old), other.unload(MODEL, new))
+        assert unloaded == [[old], [new]]
+        assert "with requests still in flight" not in caplog.text  # no drain ran out
+        assert ModelRegistry(store, "test").desired() == {}
+        await life.follow_once()
+        assert core.models == {}
+
+
+def test_the_desired_state_is_one_key_per_version(monkeypatch) -> None:
+    store = MemoryStore()
+    first, second = ModelRegistry(store, "app"), ModelRegistry(store, "app")
+    assert first.start(["m/1"]) == {"m/1": "serve"}
+    assert second.start(["m/1", "m/9"]) == {"m/1": "serve"}  # the first replica's, kept
+    first.set_state(["m/2"], "serve")  # two replicas change two versions at once
+    second.set_state(["m/1"], "drain")
+    assert first.desired() == second.desired() == {"m/1": "drain", "m/2": "serve"}
+    first.set_state(["m/2"], "drain")
+    second.set_state(["m/2"], "serve")  # loaded again while the first drained it
+    first.remove(["m/1", "m/2"], only="drain")
+    assert first.desired() == {"m/2": "serve"}
+    # a replica that starts later does not bring back what was unloaded
+    assert ModelRegistry(store, "app").start(["m/1"]) == {"m/2": "serve"}
+    # one that finds the state claimed but never written (its writer died) writes it
+    monkeypatch.setattr("serve_app.registry.START_WAIT_S", 0.1)
+    store.put("dead/start/claimed", b"")
+    assert ModelRegistry(store, "dead").start(["m/1"]) == {"m/1": "serve"}
