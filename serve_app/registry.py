@@ -194,7 +194,13 @@ class ModelRegistry:
 
     def addresses(self, deployment: str) -> list[str]:
         """The stage ports of `deployment`'s live replicas that report one."""
-        return [report.address for report in self.reports(deployment) if report.address]
+        return list(self.ports(deployment))
+
+    def ports(self, deployment: str) -> dict[str, frozenset[str]]:
+        """The stage ports of `deployment`'s live replicas, each with the versions it holds."""
+        return {
+            report.address: report.holds for report in self.reports(deployment) if report.address
+        }
 
     def held_everywhere(self, deployments: Iterable[str]) -> set[str]:
         """The versions that every live replica of every deployment holds (none reported

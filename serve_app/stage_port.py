@@ -10,8 +10,10 @@ a large part of an image's CPU and latency. So, with `stage_calls: port`, each s
 also serves its `run` on a port of its own (StagePort) and reports the address with its
 models in the registry (serve_app/registry.py); a caller (PortCalls) sends each batch,
 pickled, to the replica of the next deployment with the fewest of its own calls in flight
-(the images in it through shared memory where that replica is on the caller's node:
-serve_app/shared_images.py).
+among those that report holding the batch's model version (the images in it through shared
+memory where that replica is on the caller's node: serve_app/shared_images.py). A replica
+that has started since a version was loaded, and loads it still, then takes no request
+for it.
 
 Serve still places, starts, scales, stops and health-checks the replicas; the handles still
 carry everything else (what is served, model lifecycle). A call goes by handle when
@@ -33,7 +35,7 @@ import hmac
 import logging
 import pickle
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
 import grpc
@@ -127,6 +129,7 @@ class PortCalls:
         self._channels: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
         self._open: dict[str, grpc.aio.Channel] = {}
         self._in_flight: dict[str, int] = {}
+        self._holds: Mapping[str, Collection[str]] = {}  # address -> model versions held
         self._refresh_task: asyncio.Task | None = None
         self._following = True  # reading the addresses (until the replica stops)
         self._closing: set[asyncio.Task] = set()  # channels closing, until they are closed
@@ -140,7 +143,7 @@ class PortCalls:
     async def run(self, batch: Batch) -> Any:
         if self._refresh_task is None and self._following:
             self._refresh_task = asyncio.create_task(self._refresh())
-        address = self._pick()
+        address = self._pick(batch.model)
         if address is None:
             self.by_handle += 1
             return await self._fallback(batch)
@@ -195,15 +198,25 @@ class PortCalls:
         request = request_images.dumps(message)
         return pickle.loads(await self._channels[address](request, metadata=self._metadata))
 
-    def _pick(self) -> str | None:
-        """The address with the fewest of this caller's calls in flight (ties at random)."""
+    def _pick(self, model: str = "") -> str | None:
+        """The address with the fewest of this caller's calls in flight (ties at random),
+        among those that report holding `model` where any does."""
         if not self._in_flight:
             return None
-        fewest = min(self._in_flight.values())
-        return random.choice([a for a, n in self._in_flight.items() if n == fewest])
+        candidates = self._in_flight
+        if model:
+            holding = {a: n for a, n in candidates.items() if model in self._holds.get(a, ())}
+            candidates = holding or candidates
+        fewest = min(candidates.values())
+        return random.choice([a for a, n in candidates.items() if n == fewest])
 
-    def update(self, addresses: set[str]) -> None:
-        """Open channels to new addresses, close those no longer reported."""
+    def update(
+        self, addresses: Collection[str], holds: Mapping[str, Collection[str]] | None = None
+    ) -> None:
+        """Open channels to new addresses, close those no longer reported; `holds`: the model
+        versions each address reports holding."""
+        addresses = set(addresses)
+        self._holds = holds or {}
         for address in addresses - self._channels.keys():
             channel = grpc.aio.insecure_channel(address, options=MESSAGE_OPTIONS)
             self._open[address] = channel
@@ -224,8 +237,8 @@ class PortCalls:
     async def _refresh(self) -> None:
         while True:
             try:
-                addresses = await asyncio.to_thread(self._registry.addresses, self._deployment)
-                self.update(set(addresses))
+                ports = await asyncio.to_thread(self._registry.ports, self._deployment)
+                self.update(ports, ports)
             except Exception:  # a GCS hiccup must not stop following for good
                 logger.exception("reading the %s replicas' addresses failed", self._deployment)
             await asyncio.sleep(ADDRESS_POLL_S)

@@ -77,6 +77,28 @@ async def test_calls_go_over_the_ports_and_spread_over_the_replicas() -> None:
         await port.stop(0)
 
 
+async def test_calls_go_to_the_replicas_that_hold_their_model_version() -> None:
+    """A replica that started after a version was loaded, and loads it still, reports
+    without it: no call for that version goes there (it would fail with NOT_FOUND)."""
+    registry = ModelRegistry(MemoryStore(), "app")
+    replicas = await _ports(registry, ["old", "new"])
+    registry.report("Inference", "old", ["m/1", "m/2"], address=replicas[0][1].address)
+    registry.report("Inference", "new", ["m/1"], address=replicas[1][1].address)
+    calls = PortCalls(registry, "Inference", Fallback(), TOKEN)
+    ports = registry.ports("Inference")
+    calls.update(ports, ports)
+    answers = await asyncio.gather(*(calls.run(_batch(model="m/2")) for _ in range(6)))
+    assert {answer[0] for answer in answers} == {"old"}
+    answers = await asyncio.gather(*(calls.run(_batch(model="m/1")) for _ in range(6)))
+    assert {answer[0] for answer in answers} == {"old", "new"}
+    # a version that no replica reports yet: any replica (it answers for itself)
+    answers = await asyncio.gather(*(calls.run(_batch(model="m/3")) for _ in range(6)))
+    assert {answer[0] for answer in answers} == {"old", "new"}
+    await calls.close()
+    for _, port in replicas:
+        await port.stop(0)
+
+
 async def test_a_stage_error_comes_back_as_itself() -> None:
     registry = ModelRegistry(MemoryStore(), "app")
     ((_, port),) = await _ports(registry, ["r1"])
