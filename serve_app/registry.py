@@ -125,15 +125,14 @@ class ModelRegistry:
         """The desired state. The instance's first replica writes it as `initial` (all
         served); the others wait until it has, so none serves an empty state at start,
         and none brings back a version unloaded since."""
-        if self._store.put(self._claimed, b"", overwrite=False):
+        writer = self._store.put(self._claimed, b"", overwrite=False)
+        deadline = time.monotonic() + START_WAIT_S
+        while not writer and self._store.get(self._written) is None:
+            writer = time.monotonic() > deadline  # the first replica died before writing it
+            time.sleep(0.05)
+        if writer:
             self.set_state(initial, "serve")
             self._store.put(self._written, b"")
-        deadline = time.monotonic() + START_WAIT_S
-        while self._store.get(self._written) is None:
-            if time.monotonic() > deadline:  # the first replica died before writing it
-                self.set_state(initial, "serve")
-                self._store.put(self._written, b"")
-            time.sleep(0.05)
         return self.desired()
 
     def desired(self) -> dict[str, State]:

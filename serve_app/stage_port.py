@@ -210,13 +210,11 @@ class PortCalls:
         fewest = min(candidates.values())
         return random.choice([a for a, n in candidates.items() if n == fewest])
 
-    def update(
-        self, addresses: Collection[str], holds: Mapping[str, Collection[str]] | None = None
-    ) -> None:
-        """Open channels to new addresses, close those no longer reported; `holds`: the model
-        versions each address reports holding."""
-        addresses = set(addresses)
-        self._holds = holds or {}
+    def update(self, ports: Mapping[str, Collection[str]]) -> None:
+        """The stage ports reported (address -> the model versions it holds): open channels
+        to new addresses, close those no longer reported."""
+        self._holds = ports
+        addresses = set(ports)
         for address in addresses - self._channels.keys():
             channel = grpc.aio.insecure_channel(address, options=MESSAGE_OPTIONS)
             self._open[address] = channel
@@ -237,8 +235,7 @@ class PortCalls:
     async def _refresh(self) -> None:
         while True:
             try:
-                ports = await asyncio.to_thread(self._registry.ports, self._deployment)
-                self.update(ports, ports)
+                self.update(await asyncio.to_thread(self._registry.ports, self._deployment))
             except Exception:  # a GCS hiccup must not stop following for good
                 logger.exception("reading the %s replicas' addresses failed", self._deployment)
             await asyncio.sleep(ADDRESS_POLL_S)

@@ -66,7 +66,7 @@ async def test_calls_go_over_the_ports_and_spread_over_the_replicas() -> None:
     replicas = await _ports(registry, ["r1", "r2"])
     fallback = Fallback()
     calls = PortCalls(registry, "Inference", fallback, TOKEN)
-    calls.update(set(registry.addresses("Inference")))
+    calls.update(registry.ports("Inference"))
     answers = await asyncio.gather(*(calls.run(_batch()) for _ in range(8)))
     assert {answer[0] for answer in answers} == {"r1", "r2"}  # the least busy takes each
     assert all(answer[1:] == ["a"] for answer in answers)
@@ -85,8 +85,7 @@ async def test_calls_go_to_the_replicas_that_hold_their_model_version() -> None:
     registry.report("Inference", "old", ["m/1", "m/2"], address=replicas[0][1].address)
     registry.report("Inference", "new", ["m/1"], address=replicas[1][1].address)
     calls = PortCalls(registry, "Inference", Fallback(), TOKEN)
-    ports = registry.ports("Inference")
-    calls.update(ports, ports)
+    calls.update(registry.ports("Inference"))
     answers = await asyncio.gather(*(calls.run(_batch(model="m/2")) for _ in range(6)))
     assert {answer[0] for answer in answers} == {"old"}
     answers = await asyncio.gather(*(calls.run(_batch(model="m/1")) for _ in range(6)))
@@ -103,7 +102,7 @@ async def test_a_stage_error_comes_back_as_itself() -> None:
     registry = ModelRegistry(MemoryStore(), "app")
     ((_, port),) = await _ports(registry, ["r1"])
     calls = PortCalls(registry, "Inference", Fallback(), TOKEN)
-    calls.update(set(registry.addresses("Inference")))
+    calls.update(registry.ports("Inference"))
     with pytest.raises(ModelNotFound, match="'gone' is not loaded"):
         await calls.run(_batch(model="gone"))
     await calls.close()
@@ -116,7 +115,7 @@ async def test_without_an_address_or_with_a_dead_port_the_call_goes_by_handle() 
     calls = PortCalls(registry, "Inference", fallback, TOKEN)
     assert await calls.run(_batch()) == ["handle", "a"]  # no replica has reported yet
     ((_, port),) = await _ports(registry, ["r1"])
-    calls.update(set(registry.addresses("Inference")))
+    calls.update(registry.ports("Inference"))
     await port.stop(0)  # the replica stops; its report is still fresh
     assert await calls.run(_batch()) == ["handle", "a"]
     assert len(fallback.batches) == 2 and calls.by_handle == 2
@@ -136,7 +135,7 @@ async def test_a_call_without_the_token_is_refused_before_it_is_read() -> None:
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     fallback = Fallback()
     calls = PortCalls(registry, "Inference", fallback, "another app's secret")
-    calls.update(set(registry.addresses("Inference")))
+    calls.update(registry.ports("Inference"))
     assert await calls.run(_batch()) == ["handle", "a"]
     assert port.calls == 0
     await calls.close()
@@ -158,14 +157,14 @@ async def test_a_stopped_caller_reads_no_more_addresses_and_its_calls_go_on() ->
     class CountingRegistry(ModelRegistry):
         reads = 0
 
-        def addresses(self, deployment: str) -> list[str]:
+        def ports(self, deployment: str) -> dict[str, frozenset[str]]:
             CountingRegistry.reads += 1
-            return super().addresses(deployment)
+            return super().ports(deployment)
 
     registry = CountingRegistry(MemoryStore(), "app")
     ((_, port),) = await _ports(registry, ["r1"])
     calls = PortCalls(registry, "Inference", Fallback(), TOKEN)
-    calls.update(set(registry.addresses("Inference")))
+    calls.update(registry.ports("Inference"))
     assert (await calls.run(_batch()))[0] == "r1"  # starts the reads
     await asyncio.sleep(0.1)
     calls.stop()
@@ -218,7 +217,7 @@ async def test_images_for_a_replica_on_this_node_go_through_shared_memory() -> N
     port = await _sized_port(registry)
     before = _segments()
     calls = PortCalls(registry, "Inference", Fallback(), TOKEN, "127.0.0.1", 64 << 20)
-    calls.update(set(registry.addresses("Inference")))
+    calls.update(registry.ports("Inference"))
     batch = _photos_batch()
     images = [image for job in batch.jobs for image in job.images]
     for _ in range(3):  # the segment is lent to each call in turn
@@ -236,7 +235,7 @@ async def test_images_travel_in_the_call_to_another_node_or_where_they_cannot_be
     batch = _photos_batch()
     images = [image for job in batch.jobs for image in job.images]
     elsewhere = PortCalls(registry, "Inference", Fallback(), TOKEN, "10.1.2.3", 64 << 20)
-    elsewhere.update(set(registry.addresses("Inference")))
+    elsewhere.update(registry.ports("Inference"))
     assert await elsewhere.run(batch) == images
     assert min(port.sizes) > sum(map(len, images))
     await elsewhere.close()
@@ -247,7 +246,7 @@ async def test_images_travel_in_the_call_to_another_node_or_where_they_cannot_be
     port._images._map = cannot_map  # as a replica in another container would fail
     port.sizes.clear()
     calls = PortCalls(registry, "Inference", Fallback(), TOKEN, "127.0.0.1", 64 << 20)
-    calls.update(set(registry.addresses("Inference")))
+    calls.update(registry.ports("Inference"))
     before = _segments()
     assert await calls.run(batch) == images  # sent again with the images
     assert await calls.run(batch) == images  # and from then on with them
