@@ -83,10 +83,10 @@ class _InBandPickler(pickle.Pickler):
 
 
 def dumps(obj: object) -> bytes:
-    """pickle.dumps for a message sent as these bytes (a stage call over a port): a call of
-    32 requests of 8 photos pickles in 2 ms instead of 18 on the 2-core CPU machine, and
-    holds no second copy of its images while it does. Not for Ray's serializer, which takes
-    PickleBuffers out of band and would hand the callee memoryviews."""
+    """pickle.dumps for a message sent as these bytes (a stage call over a port), which
+    neither copies each image out of its message first nor holds that second copy while it
+    pickles. Not for Ray's serializer, which takes PickleBuffers out of band and would hand
+    the callee memoryviews."""
     out = io.BytesIO()
     _InBandPickler(out, pickle.HIGHEST_PROTOCOL).dump(obj)
     return out.getvalue()
