@@ -191,10 +191,6 @@ class ModelRegistry:
                 )
         return found
 
-    def addresses(self, deployment: str) -> list[str]:
-        """The stage ports of `deployment`'s live replicas that report one."""
-        return list(self.ports(deployment))
-
     def ports(self, deployment: str) -> dict[str, frozenset[str]]:
         """The stage ports of `deployment`'s live replicas, each with the versions it holds."""
         return {

@@ -146,8 +146,8 @@ def test_reports_carry_the_address_and_only_live_ones_count() -> None:
     registry = ModelRegistry(MemoryStore(), "app")
     registry.report("Inference", "r1", ["m/1"], address="10.0.0.5:4242")
     registry.report("Inference", "r2", ["m/1"])  # serves no port (stage_calls: handle)
-    assert registry.addresses("Inference") == ["10.0.0.5:4242"]
-    assert registry.addresses("Postprocess") == []
+    assert list(registry.ports("Inference")) == ["10.0.0.5:4242"]
+    assert registry.ports("Postprocess") == {}
 
 
 async def test_a_stopped_caller_reads_no_more_addresses_and_its_calls_go_on() -> None:
