@@ -7,12 +7,17 @@ context switches a call makes (a thread that sleeps while the GPU works switches
 that spins does not), and appends it to $OUT/procs.txt. `--decode-only`: the batched
 decode call alone, without the resize and crop. `--decoder nvimgcodec`: nvImageCodec's
 batched decode (its hardware JPEG backend, then CUDA; in the GPU bundle for this comparison
-only) instead of torchvision's. Under CUDA MPS, as the GPU configs run:
+only) instead of torchvision's.
+`--profile`: py-spy's native stacks of one process of each count over its window, summed per
+function into $OUT/decode-native-<decoder>-<n>.txt (where its CPU goes: nvJPEG, CUDA, the rest).
+`--spin`: leave CUDA's waits as they are (without it every wait sleeps). Under CUDA MPS, as
+the GPU configs run:
 
     bash bench/gpu_mps.sh python3 bench/decode_procs.py       (after: source bench/gpu_env.sh)
     bash bench/gpu_mps.sh python3 bench/decode_procs.py --processes 12 --decode-only --batch 8
     bash bench/gpu_mps.sh python3 bench/decode_procs.py --decoder nvimgcodec
     bash bench/gpu_mps.sh python3 bench/decode_procs.py --processes 12 --chunk 8
+    bash bench/gpu_mps.sh python3 bench/decode_procs.py --processes 12 --profile
 
 `--chunk N`: the decoder hands nvJPEG N JPEGs a call; without it, the whole call at once,
 as an Inference replica does.
@@ -22,6 +27,7 @@ import argparse
 import multiprocessing as mp
 import os
 import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
+import profiles  # noqa: E402
 
 SECONDS = 6.0
 
@@ -67,7 +74,8 @@ def worker(args, start_at, queue):
     from engines.images import DecodeLimits
     from engines.repository import PreprocessSpec
 
-    sleep_in_every_gpu_wait(torch.device("cuda:0"))
+    if not args.spin:
+        sleep_in_every_gpu_wait(torch.device("cuda:0"))
     photos = load.builtin_photos()
     jpegs = [photos[i % len(photos)] for i in range(args.batch)]
     decode_batch = nvimgcodec_decode(0) if args.decoder == "nvimgcodec" else None
@@ -106,6 +114,8 @@ def main():
         "--chunk", type=int, default=0, help="JPEGs a batched nvJPEG call (0: the whole call)"
     )
     parser.add_argument("--decoder", choices=("torchvision", "nvimgcodec"), default="torchvision")
+    parser.add_argument("--profile", action="store_true", help="py-spy --native of one process")
+    parser.add_argument("--spin", action="store_true", help="CUDA's waits as they are")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "/tmp")) / "procs.txt"
     ctx = mp.get_context("spawn")
@@ -115,13 +125,20 @@ def main():
         procs = [ctx.Process(target=worker, args=(args, start_at, queue)) for _ in range(n)]
         for p in procs:
             p.start()
+        if args.profile:
+            raw = out.with_name(f"decode-native-{args.decoder}-{n}.raw")
+            profile = _profile(procs[0].pid, start_at, raw)
         results = [queue.get(timeout=90) for _ in procs]
+        if args.profile:
+            profile.wait()
+            text = profiles.summary(raw, 30) if raw.exists() else "py-spy wrote nothing\n"
+            raw.with_suffix(".txt").write_text(text)
         for p in procs:
             p.join()
         calls, user, system, switches = (sum(column) for column in zip(*results, strict=True))
         images = calls * args.batch
         line = (
-            f"{n:2} processes, {args.decoder}, calls of {args.batch}"
+            f"{n:2} processes, {args.decoder}{', spinning' * args.spin}, calls of {args.batch}"
             f"{f' in chunks of {args.chunk}' * bool(args.chunk)}"
             f"{', decode alone' * args.decode_only}: {images / SECONDS:8.0f} img/s  "
             f"{(user + system) * 1000 / images:.3f} CPU ms/img (user {user * 1000 / images:.3f}, "
@@ -131,6 +148,15 @@ def main():
         print(line, flush=True)
         with out.open("a") as f:
             f.write(line + "\n")
+
+
+def _profile(pid: int, start_at: float, raw: Path) -> subprocess.Popen:
+    """py-spy's native stacks of `pid` over the measured window (it pauses the process for
+    each sample, so that process's own figures read a little low)."""
+    time.sleep(max(start_at + 0.5 - time.time(), 0))
+    command = ["py-spy", "record", "--pid", str(pid), "--duration", str(int(SECONDS) - 1)]
+    command += ["--rate", str(profiles.RATE), "--format", "raw", "--native", "-o", str(raw)]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 if __name__ == "__main__":
