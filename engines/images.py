@@ -15,6 +15,7 @@ Pure functions over bytes, PIL images and numpy arrays: no Ray, no gRPC. The pol
 from __future__ import annotations
 
 import io
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,8 +62,10 @@ def open_checked(data: bytes, limits: DecodeLimits = DecodeLimits()) -> Image.Im
         image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
         raise InvalidImage(_why_unreadable(data)) from None
-    except Image.DecompressionBombError as exc:
-        raise InvalidImage(f"image declares too many pixels: {exc}") from None
+    except Image.DecompressionBombError as exc:  # past PIL's own bound, before this one's
+        declared = re.search(r"\((\d+) pixels\)", str(exc))
+        size = f"{declared[1]} pixels" if declared else "more pixels than PIL opens"
+        raise InvalidImage(f"image declares {size}; allowed 1..{limits.max_pixels}") from None
     except (OSError, SyntaxError, ValueError, EOFError) as exc:  # found by the fuzz test
         raise InvalidImage(f"image header is corrupt or truncated: {exc}") from None
     if image.format not in ALLOWED_FORMATS:

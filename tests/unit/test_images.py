@@ -104,7 +104,9 @@ def _png_header_only(width: int, height: int) -> bytes:
     [
         (b"", "empty"),
         (bytes(np.random.default_rng(2).integers(0, 256, 5000, dtype=np.uint8)), "not a supported"),
-        (_png_header_only(50_000, 50_000), "pixels"),
+        (_png_header_only(7_000, 7_000), r"7000x7000 = 49000000 pixels; allowed 1\.\.40000000"),
+        # past PIL's own bound too: still the configured limit quoted, not PIL's
+        (_png_header_only(50_000, 50_000), r"2500000000 pixels; allowed 1\.\.40000000$"),
     ],
 )
 def test_bad_images_are_invalid_argument(data: bytes, message: str) -> None:
