@@ -131,11 +131,17 @@ class ServingCore:
 
     # -- checks ---------------------------------------------------------------------------
 
-    def check_model(self, name: str, version: str = "") -> Served:
+    def check_model(self, name: str, version: str = "", default: bool = True) -> Served:
         """The version that answers: `name` may be "name" or "name/version"; an empty name
-        means the default model, an empty version the highest version routed."""
+        means the default model (NOT_FOUND where not `default`: OIP names its model), an
+        empty version the highest version routed."""
         if "/" in name and not version:
+            asked = name
             name, version = name.split("/", 1)
+            if not (name and version):
+                raise self._not_found(f'model {clip(asked)!r} is not "name" or "name/version"')
+        if not name and not default:
+            raise self._not_found("no model named")
         name = name or self.default
         if version and f"{name}/{version}" in self.models:
             return self.models[f"{name}/{version}"]
@@ -143,8 +149,11 @@ class ServingCore:
         if served and not version:
             return served[-1]
         asked = f"{clip(name)!r}" + (f" version {clip(version)!r}" if version else "")
+        raise self._not_found(f"model {asked} is not loaded")
+
+    def _not_found(self, why: str) -> ModelNotFound:
         loaded = ", ".join(sorted(self.models)) or "none"
-        raise ModelNotFound(f"model {asked} is not loaded; loaded: {loaded}")
+        return ModelNotFound(f"{why}; loaded: {loaded}")
 
     def top_k(self, requested: int, model: Served) -> int:
         top_k = requested or DEFAULT_TOP_K

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import struct
+from collections.abc import Sequence
 
 import grpc
 import numpy as np
@@ -76,11 +76,21 @@ def _pixels(request: oip.ModelInferRequest, input_shape: tuple[int, ...]) -> np.
     tensor = request.inputs[0]
     if tensor.datatype != "FP32":
         raise InvalidArgument(f"input {PIXELS!r} must be FP32, got {clip(tensor.datatype)}")
-    if request.raw_input_contents:
-        values = request.raw_input_contents[0]
-    else:
+    values = _raw_contents(request, tensor.contents.fp32_contents)
+    if values is None:
         values = np.asarray(tensor.contents.fp32_contents, dtype=np.float32)
     return client_pixels(tuple(tensor.shape), values, input_shape, PIXELS)
+
+
+def _raw_contents(request: oip.ModelInferRequest, typed: Sequence) -> bytes | None:
+    """The one input's raw_input_contents entry, or None where it comes typed (`typed`, its
+    contents field); both, or more raw entries than inputs, get INVALID_ARGUMENT."""
+    raw = request.raw_input_contents
+    if len(raw) > 1:
+        raise InvalidArgument(f"{len(raw)} raw_input_contents entries for one input tensor")
+    if raw and len(typed):
+        raise InvalidArgument("the input has both raw_input_contents and typed contents")
+    return raw[0] if raw else None
 
 
 def _images(request: oip.ModelInferRequest) -> tuple[bytes, ...]:
@@ -90,17 +100,15 @@ def _images(request: oip.ModelInferRequest) -> tuple[bytes, ...]:
             f"input {INPUT!r} must be BYTES (encoded images), got {clip(tensor.datatype)}; "
             f"send preprocessed FP32 tensors as input {PIXELS!r}"
         )
-    if request.raw_input_contents:
-        images = _bytes_elements(request.raw_input_contents[0])
-    else:
-        images = list(tensor.contents.bytes_contents)
-    if any(size < 0 for size in tensor.shape):
-        raise InvalidArgument(f"input shape {list(tensor.shape)[:8]} has a negative size")
-    expected = math.prod(tensor.shape) if tensor.shape else len(images)
-    if len(images) != expected:
-        raise InvalidArgument(
-            f"input shape {list(tensor.shape)} holds {expected} elements, got {len(images)}"
-        )
+    raw = _raw_contents(request, tensor.contents.bytes_contents)
+    images = list(tensor.contents.bytes_contents) if raw is None else _bytes_elements(raw)
+    shape = list(tensor.shape)
+    if any(size < 0 for size in shape):
+        raise InvalidArgument(f"input shape {shape[:8]} has a negative size")
+    if len(shape) not in (1, 2) or shape[1:] not in ([], [1]):
+        raise InvalidArgument(f"input {INPUT!r} must have shape [N] or [N, 1], got {shape[:8]}")
+    if len(images) != shape[0]:
+        raise InvalidArgument(f"input shape {shape} holds {shape[0]} elements, got {len(images)}")
     return tuple(images)
 
 
@@ -158,7 +166,7 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
     def _job(self, request: oip.ModelInferRequest, context, flow: str) -> tuple[Job, float | None]:
         core = self._core
         core.check_id(request.id)
-        model = core.check_model(request.model_name, request.model_version)
+        model = core.check_model(request.model_name, request.model_version, default=False)
         names = [i.name for i in request.inputs]
         if names not in ([INPUT], [PIXELS]):
             raise InvalidArgument(
@@ -259,9 +267,7 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request, context):
         try:
-            ready = bool(request.name) and bool(
-                self._core.check_model(request.name, request.version)
-            )
+            ready = bool(self._core.check_model(request.name, request.version, default=False))
         except RaystreamError:
             ready = False
         return oip.ModelReadyResponse(ready=ready and not self._streams.draining)
@@ -282,7 +288,7 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(self, request, context):
         core = self._core
         try:
-            model = core.check_model(request.name, request.version)
+            model = core.check_model(request.name, request.version, default=False)
         except RaystreamError as exc:
             await context.abort(grpc.StatusCode[code_name(exc.code)], str(exc))
         tensor = oip.ModelMetadataResponse.TensorMetadata
@@ -314,7 +320,7 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
         and the versions served (a specific version policy)."""
         core = self._core
         try:
-            model = core.check_model(request.name, request.version)
+            model = core.check_model(request.name, request.version, default=False)
         except RaystreamError as exc:
             await context.abort(grpc.StatusCode[code_name(exc.code)], str(exc))
         engine = model.engine

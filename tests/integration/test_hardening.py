@@ -176,6 +176,7 @@ async def test_a_message_that_is_not_a_request_is_refused_on_every_inference_cal
     junk = b"\xff" * 5
     request = oip.ModelInferRequest(
         id="good",
+        model_name="efficientnet-lite0",
         inputs=[
             oip.ModelInferRequest.InferInputTensor(
                 name="images",
@@ -234,3 +235,31 @@ def test_an_oip_shape_with_a_negative_size_is_refused() -> None:
     tensor.contents.bytes_contents.append(b"x")
     with pytest.raises(InvalidArgument, match="negative size"):
         _images(oip.ModelInferRequest(inputs=[tensor]))
+
+
+@pytest.mark.parametrize(
+    ("shape", "raw", "typed", "refusal"),
+    [
+        ([1, 2], 0, 2, r"shape \[N\] or \[N, 1\]"),  # once read as 2 images
+        ([], 0, 1, r"shape \[N\] or \[N, 1\]"),
+        ([1, 1, 1], 0, 1, r"shape \[N\] or \[N, 1\]"),
+        ([1], 2, 0, "2 raw_input_contents entries"),  # the second once ignored
+        ([1], 1, 1, "both raw_input_contents and typed contents"),
+    ],
+)
+def test_an_oip_images_input_of_another_layout_is_refused(shape, raw, typed, refusal) -> None:
+    """OIP's `images` is [N] or [N, 1] BYTES, in raw or typed contents, not both."""
+    from raystream.oip import grpc_predict_v2_pb2 as oip
+    from serve_app.errors import InvalidArgument
+    from serve_app.oip import _images
+
+    tensor = oip.ModelInferRequest.InferInputTensor(name="images", datatype="BYTES", shape=shape)
+    tensor.contents.bytes_contents.extend([b"x"] * typed)
+    element = len(b"x").to_bytes(4, "little") + b"x"
+    request = oip.ModelInferRequest(inputs=[tensor], raw_input_contents=[element] * raw)
+    with pytest.raises(InvalidArgument, match=refusal):
+        _images(request)
+    tensor.shape[:] = [2, 1]
+    request = oip.ModelInferRequest(inputs=[tensor], raw_input_contents=[element * 2])
+    del request.inputs[0].contents.bytes_contents[:]
+    assert _images(request) == (b"x", b"x")  # [N, 1] in raw contents: N images

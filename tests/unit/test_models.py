@@ -94,6 +94,12 @@ async def test_requests_route_by_name_and_version(two_versions, versions, photos
         missing = f"{MODEL}/{int(new) + 1}"
         assert (await ask(core, photos["chelsea"], missing)).code == Code.NOT_FOUND
         assert (await ask(core, photos["chelsea"], "resnet")).code == Code.NOT_FOUND
+        for malformed in ("/", f"/{old}", f"{MODEL}/"):  # not the default model, nor latest
+            with pytest.raises(ModelNotFound, match='is not "name" or "name/version"'):
+                core.check_model(malformed)
+        with pytest.raises(ModelNotFound, match="no model named"):  # OIP names its model
+            core.check_model("", default=False)
+        assert core.check_model(MODEL, default=False).version == new
         assert [s.version for s in group.infos()] == [old, new]
 
 
