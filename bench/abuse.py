@@ -1,12 +1,15 @@
 """What an abusive client costs a running server, measured with a plain grpcio client.
 
     make serve &            # or any raystream server on ADDRESS, on this machine
-    python bench/abuse.py [--address 127.0.0.1:9000]
+    python bench/abuse.py [--address 127.0.0.1:9000] [--only fairness,backlog,memory]
 
 1. fairness: a victim sends one-photo requests on its own connection, one at a time, while an
    attacker's stream sends two requests of 32 16-bit greyscale PNGs of 6324x6324 pixels
    (5 MB in all, seconds of CPU each image). Prints the victim's latency before and during.
-2. memory: a stream that sends requests and never reads its answers, in three shapes (1 MiB
+2. backlog: one client opens 8, then 20 streams on one connection and queues 64 requests of
+   the seven built-in photos on each, never reading; another client's one-photo request
+   then. Prints how long that request took (the streams are cancelled after).
+3. memory: a stream that sends requests and never reads its answers, in three shapes (1 MiB
    request ids; 256 undecodable images per request; 60 MB requests). Prints how much the
    ingress process' resident memory grew (read from /proc: the server must run here).
 """
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from load import builtin_photos
 from PIL import Image
 from skimage import data
 
@@ -89,6 +93,30 @@ async def fairness(address: str) -> None:
     )
 
 
+async def backlog(address: str, streams: int) -> None:
+    photos = builtin_photos()
+    async with grpc.aio.insecure_channel(address, options=OPTIONS) as channel:
+        stub = pb_grpc.ImageClassifierStub(channel)
+        calls = [stub.Classify() for _ in range(streams)]
+        for call in calls:
+            for i in range(64):
+                await call.write(pb.ClassifyRequest(request_id=str(i), images=photos))
+        async with grpc.aio.insecure_channel(address, options=OPTIONS) as other:
+            start = time.perf_counter()
+            answer = await pb_grpc.ImageClassifierStub(other).ClassifyOnce(
+                pb.ClassifyRequest(images=[photos[0]]), timeout=300
+            )
+            took = time.perf_counter() - start
+        for call in calls:
+            call.cancel()
+    print(
+        f"backlog: {streams} streams x 64 requests of {len(photos)} photos queued, unread; "
+        f"another client's one-photo request answered (code {answer.error.code}) after "
+        f"{took:.1f} s"
+    )
+    await asyncio.sleep(5)  # the cancelled streams' calls in flight end
+
+
 def _ingress_rss_bytes() -> int:
     """Resident memory of the ingress replica process(es) on this machine."""
     total = 0
@@ -126,8 +154,16 @@ async def memory(address: str, name: str, request: pb.ClassifyRequest, count: in
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--address", default="127.0.0.1:9000")
-    address = parser.parse_args().address
-    await fairness(address)
+    parser.add_argument("--only", default="fairness,backlog,memory", help="checks, in turn")
+    args = parser.parse_args()
+    address, checks = args.address, args.only.split(",")
+    if "fairness" in checks:
+        await fairness(address)
+    if "backlog" in checks:
+        for streams in (8, 20):
+            await backlog(address, streams)
+    if "memory" not in checks:
+        return
     junk = np.random.default_rng(0).bytes(4096)
     await memory(address, "1 MiB request ids", pb.ClassifyRequest(request_id="x" * (1 << 20)), 5000)
     bad = pb.ClassifyRequest(request_id="x" * 16, images=[junk] * 256)

@@ -158,6 +158,10 @@ class AppConfig(_Strict):
     # calls of at least this many images each, so that one client's burst runs on several
     # stage replicas at once (0: one call takes them).
     spread_min_images: int = Field(0, ge=0)
+    # The images a call carries at most, past its first request (0: no bound): under a
+    # backlog, calls that end sooner let another stream's request, taken in turn
+    # (serve_app/dispatch.py), be answered sooner.
+    max_images_per_call: int = Field(0, ge=0)
     # How stage calls travel: `handle`, Serve's DeploymentHandle calls; `port`, a gRPC port
     # of each stage replica's own, with the handle as fallback (serve_app/stage_port.py).
     stage_calls: Literal["handle", "port"] = "handle"

@@ -126,6 +126,8 @@ class ServingCore:
                 gather_s=self._config.max_call_wait_s,
                 spread_images=self._config.spread_min_images,
                 images=lambda item: item.job.count if item.job else 0,
+                flow=lambda item: item.stream,
+                max_images=self._config.max_images_per_call,
             )
         return self._dispatchers[key]
 

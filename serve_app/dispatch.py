@@ -19,6 +19,11 @@ calls of at least `spread_images` images each (0: never): one client's burst the
 several stage replicas at once, not in one replica's queue. It takes two free slots or more;
 under full load slots free one at a time, and calls stay full.
 
+When more is queued than a call takes (a backlog), a call takes the flows' (streams')
+oldest requests in turn, not the oldest requests, and at most `max_images` images (past its
+first request): a client that queued thousands of requests on some streams does not hold
+another stream's request for calls on end, nor make it wait for a huge call's end.
+
 Callbacks, not a future per request: each call answers its requests when it returns, and the
 ingress does no work per request beyond queueing it.
 """
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, Protocol, TypeVar
@@ -56,12 +62,19 @@ class Dispatcher(Generic[P]):
         spill_after_s: float = 0.02,
         spread_images: int = 0,
         images: Callable[[P], int] = lambda item: 1,
+        flow: Callable[[P], str] = lambda item: "",
+        max_images: int = 0,
     ) -> None:
         """`call(items)` sends one call and answers each item (it must not raise);
-        `images(item)`: how many images an item carries (for `spread_images`)."""
+        `images(item)`: how many images an item carries (for `spread_images`); `flow(item)`:
+        the stream it came on (a backlog's calls take the flows in turn); `max_images`: the
+        images a call carries past its first item (0: no bound)."""
         self._call = call
         self._max_per_call, self._max_calls = max_per_call, max_calls
-        self._spread_images, self._images = spread_images, images
+        self._spread_images, self._images, self._flow = spread_images, images, flow
+        self._max_images = max_images
+        # the call count at each queued flow's last turn: least recently served go first
+        self._turns, self._last_turn = 0, {}
         self._gather_s, self._spill_after_s = gather_s, spill_after_s
         self._queue: collections.deque[tuple[P, float]] = collections.deque()
         self._running = 0
@@ -143,11 +156,46 @@ class Dispatcher(Generic[P]):
         return groups
 
     def _take(self) -> list[P]:
+        if len(self._queue) > self._max_per_call or self._max_images:
+            return self._take_in_turn()
+        # answered meanwhile (a deadline passed): not sent
+        items = [item for item, _ in self._queue if not item.done]
+        self._queue.clear()
+        return items
+
+    def _take_in_turn(self) -> list[P]:
+        """Each flow's oldest request in turn, the flows least recently served first, up to
+        a call's worth of requests and images, sent in the order they came; the rest stay
+        queued in that order. (Always starting from the oldest flow would starve the newest
+        wherever there are more flows than a call takes.)"""
+        queued, self._queue = list(self._queue), collections.deque()
+        by_flow: dict[str, list[int]] = {}
+        for index, (item, _) in enumerate(queued):
+            if not item.done:  # answered meanwhile (its deadline passed): dropped
+                by_flow.setdefault(self._flow(item), []).append(index)
+        flows = sorted(by_flow, key=lambda flow: self._last_turn.get(flow, -1))
+        in_turn = itertools.chain.from_iterable(
+            itertools.zip_longest(*(by_flow[flow] for flow in flows))
+        )
+        taken: set[int] = set()
+        images = 0
+        for index in (i for i in in_turn if i is not None):
+            size = self._images(queued[index][0])
+            full = self._max_images and images + size > self._max_images
+            if taken and (len(taken) == self._max_per_call or full):
+                break
+            taken.add(index)
+            images += size
+        self._turns += 1
+        last_turn = {flow: self._last_turn[flow] for flow in flows if flow in self._last_turn}
         items = []
-        while self._queue and len(items) < self._max_per_call:
-            item, _ = self._queue.popleft()
-            if not item.done:  # answered meanwhile (its deadline passed): not sent
+        for index, (item, arrived) in enumerate(queued):
+            if index in taken:
                 items.append(item)
+                last_turn[self._flow(item)] = self._turns
+            elif not item.done:
+                self._queue.append((item, arrived))
+        self._last_turn = last_turn  # the flows queued now: no entry outlives its flow
         return items
 
     def _start(self, items: list[P], spill: bool) -> None:

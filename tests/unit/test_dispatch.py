@@ -68,6 +68,80 @@ async def test_a_request_behind_stuck_calls_spills_into_a_call_of_its_own() -> N
         gate.set()
 
 
+async def test_a_backlog_s_calls_take_the_streams_in_turn() -> None:
+    """One client queued many requests on two streams; another stream's one request goes in
+    the next call, not after the backlog, and each call keeps the order requests came in."""
+    from serve_app.dispatch import Dispatcher
+
+    calls = Calls()
+    dispatcher = Dispatcher(
+        calls, max_per_call=4, max_calls=1, spill_after_s=60, flow=lambda item: item.name[0]
+    )
+    dispatcher.submit(Item("a0"))  # the call in flight
+    await _until(lambda: len(calls.sent) == 1)
+    for i in range(1, 9):
+        dispatcher.submit(Item(f"a{i}"))
+        dispatcher.submit(Item(f"b{i}"))
+    late = Item("v")
+    dispatcher.submit(late)
+    done = Item("a9", done=True)  # answered (its deadline) while queued: dropped
+    dispatcher.submit(done)
+    calls.gates[0].set()
+    await _until(lambda: len(calls.sent) == 2)
+    assert calls.sent[1] == ["a1", "b1", "a2", "v"]
+    for n in range(2, 6):
+        calls.gates[n - 1].set()
+        await _until(lambda n=n: len(calls.sent) == n + 1 or not dispatcher._queue)
+    sent = [name for call in calls.sent for name in call]
+    assert sorted(sent) == sorted(["a0", *(f"{c}{i}" for c in "ab" for i in range(1, 9)), "v"])
+    assert "a9" not in sent and len(sent) == len(set(sent))  # each sent once
+    for gate in calls.gates:
+        gate.set()
+
+
+async def test_more_streams_than_a_call_takes_each_get_their_turn() -> None:
+    """Calls smaller than the number of streams: the stream that came last still gets into
+    the next calls, not after every older stream's backlog."""
+    from serve_app.dispatch import Dispatcher
+
+    calls = Calls()
+    dispatcher = Dispatcher(
+        calls, max_per_call=2, max_calls=1, spill_after_s=60, flow=lambda item: item.name[0]
+    )
+    dispatcher.submit(Item("x"))  # the call in flight
+    await _until(lambda: len(calls.sent) == 1)
+    for i in range(5):
+        for flow in "abc":
+            dispatcher.submit(Item(f"{flow}{i}"))
+    dispatcher.submit(Item("v"))
+    for n in range(1, 3):
+        calls.gates[n - 1].set()
+        await _until(lambda n=n: len(calls.sent) == n + 1)
+    assert calls.sent[1:] == [["a0", "b0"], ["c0", "v"]]
+    for gate in calls.gates:
+        gate.set()
+
+
+async def test_a_call_carries_at_most_max_images_past_its_first_item() -> None:
+    from serve_app.dispatch import Dispatcher
+
+    calls = Calls()
+    dispatcher = Dispatcher(
+        calls, max_per_call=8, max_calls=1, spill_after_s=60, max_images=10,
+        images=lambda item: item.images,
+    )  # fmt: skip
+    dispatcher.submit(Item("big", images=20))  # alone over the bound: it still goes
+    await _until(lambda: len(calls.sent) == 1)
+    for name in "abc":
+        dispatcher.submit(Item(name, images=4))
+    for n in range(1, 3):
+        calls.gates[n - 1].set()
+        await _until(lambda n=n: len(calls.sent) == n + 1)
+    assert calls.sent == [["big"], ["a", "b"], ["c"]]
+    for gate in calls.gates:
+        gate.set()
+
+
 async def test_answered_items_are_not_sent() -> None:
     from serve_app.dispatch import Dispatcher
 
