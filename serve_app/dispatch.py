@@ -19,10 +19,11 @@ calls of at least `spread_images` images each (0: never): one client's burst the
 several stage replicas at once, not in one replica's queue. It takes two free slots or more;
 under full load slots free one at a time, and calls stay full.
 
-When more is queued than a call takes (a backlog), a call takes the flows' (streams')
-oldest requests in turn, not the oldest requests, and at most `max_images` images (past its
-first request): a client that queued thousands of requests on some streams does not hold
-another stream's request for calls on end, nor make it wait for a huge call's end.
+A call carries at most `max_images` images past its first request (0: no bound), and where
+more is queued than a call takes (a backlog) it takes the flows' (streams') oldest requests
+in turn, not the oldest requests: a client that queued thousands of requests on some
+streams does not hold another stream's request for calls on end, nor make it wait for a
+huge call's end. (Spread calls, cut from a queue that one call would take, are not bound.)
 
 Callbacks, not a future per request: each call answers its requests when it returns, and the
 ingress does no work per request beyond queueing it.
