@@ -30,6 +30,15 @@ class Calls:
             item.done = True
 
 
+async def _finish(calls: Calls, dispatcher) -> None:
+    """Every queued item sent and every call ended, so no call task outlives its test."""
+    async with asyncio.timeout(5):
+        while dispatcher._queue or dispatcher.calls_in_flight:
+            for gate in calls.gates:
+                gate.set()
+            await asyncio.sleep(0.001)
+
+
 async def _until(condition) -> None:
     async with asyncio.timeout(5):
         while not condition():
@@ -95,8 +104,7 @@ async def test_a_backlog_s_calls_take_the_streams_in_turn() -> None:
     sent = [name for call in calls.sent for name in call]
     assert sorted(sent) == sorted(["a0", *(f"{c}{i}" for c in "ab" for i in range(1, 9)), "v"])
     assert "a9" not in sent and len(sent) == len(set(sent))  # each sent once
-    for gate in calls.gates:
-        gate.set()
+    await _finish(calls, dispatcher)
 
 
 async def test_more_streams_than_a_call_takes_each_get_their_turn() -> None:
@@ -118,8 +126,7 @@ async def test_more_streams_than_a_call_takes_each_get_their_turn() -> None:
         calls.gates[n - 1].set()
         await _until(lambda n=n: len(calls.sent) == n + 1)
     assert calls.sent[1:] == [["a0", "b0"], ["c0", "v"]]
-    for gate in calls.gates:
-        gate.set()
+    await _finish(calls, dispatcher)
 
 
 async def test_a_call_carries_at_most_max_images_past_its_first_item() -> None:
@@ -138,8 +145,7 @@ async def test_a_call_carries_at_most_max_images_past_its_first_item() -> None:
         calls.gates[n - 1].set()
         await _until(lambda n=n: len(calls.sent) == n + 1)
     assert calls.sent == [["big"], ["a", "b"], ["c"]]
-    for gate in calls.gates:
-        gate.set()
+    await _finish(calls, dispatcher)
 
 
 async def test_answered_items_are_not_sent() -> None:
