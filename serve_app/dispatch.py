@@ -188,15 +188,18 @@ class Dispatcher(Generic[P]):
             taken.add(index)
             images += size
         self._turns += 1
-        last_turn = {flow: self._last_turn[flow] for flow in flows if flow in self._last_turn}
+        # a flow had its turn where its oldest request was taken; only queued flows are kept
+        self._last_turn = {
+            flow: self._turns if by_flow[flow][0] in taken else self._last_turn[flow]
+            for flow in flows
+            if by_flow[flow][0] in taken or flow in self._last_turn
+        }
         items = []
         for index, (item, arrived) in enumerate(queued):
             if index in taken:
                 items.append(item)
-                last_turn[self._flow(item)] = self._turns
             elif not item.done:
                 self._queue.append((item, arrived))
-        self._last_turn = last_turn  # the flows queued now: no entry outlives its flow
         return items
 
     def _start(self, items: list[P], spill: bool) -> None:

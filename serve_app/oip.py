@@ -105,7 +105,7 @@ def _images(request: oip.ModelInferRequest) -> tuple[bytes, ...]:
     shape = list(tensor.shape)
     if any(size < 0 for size in shape):
         raise InvalidArgument(f"input shape {shape[:8]} has a negative size")
-    if len(shape) not in (1, 2) or shape[1:] not in ([], [1]):
+    if not shape or shape[1:] not in ([], [1]):
         raise InvalidArgument(f"input {INPUT!r} must have shape [N] or [N, 1], got {shape[:8]}")
     if len(images) != shape[0]:
         raise InvalidArgument(f"input shape {shape} holds {shape[0]} elements, got {len(images)}")
@@ -267,7 +267,8 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request, context):
         try:
-            ready = bool(self._core.check_model(request.name, request.version, default=False))
+            self._core.check_model(request.name, request.version, default=False)
+            ready = True
         except RaystreamError:
             ready = False
         return oip.ModelReadyResponse(ready=ready and not self._streams.draining)
