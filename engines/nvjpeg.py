@@ -3,10 +3,11 @@
 torchvision's batched decode uses the GPU's JPEG hardware decoder, whose calling thread
 polls for the hardware the whole call (docs/performance.md, CPU per image): twelve
 processes decoding at once spent 0.76 ms of CPU an image. With GPU_HYBRID the same call
-queues kernels and sleeps until they are done: 0.07 ms an image at 94% of the hardware's
-images/s, but only for calls of more than about 50 JPEGs (smaller ones are Huffman-decoded
-on the CPU, at 1.4 ms an image), and a call takes longer. GpuJpegDecoder uses it for its
-large calls only (`gpu_hybrid_min_jpegs`).
+queues kernels and sleeps until they are done (with blocking-sync waits): on one H100,
+0.07 ms an image at 94% of the hardware's images/s in calls of 64, but calls of 8-32 JPEGs
+were Huffman-decoded on the CPU (1.4 ms an image), and its kernels take SM time the engine
+needs (docs/performance.md). GpuJpegDecoder uses it for full calls only
+(`gpu_hybrid_decode`).
 
 The library is the one torchvision loaded, called through ctypes: each decoding thread has
 its own decode state, initialized again only when its batch size changes.

@@ -143,13 +143,11 @@ class AppConfig(_Strict):
     # cpu: PIL decodes every image. gpu: JPEGs are decoded by nvJPEG in the inference replica
     # (needs torchvision and a GPU there); the CPU stage only checks headers.
     decode: Literal["cpu", "gpu"] = "cpu"
-    # decode: gpu. nvJPEG calls of at least this many JPEGs use its GPU_HYBRID backend
-    # (Huffman decoding in CUDA kernels, a tenth of the CPU) instead of the JPEG hardware
-    # decoder, whose thread polls the hardware all call long (engines/nvjpeg.py); 0: never.
-    # nvJPEG decodes calls of 50 JPEGs or fewer that way on the CPU, so 0 or more than 50.
-    gpu_hybrid_min_jpegs: int = Field(0, ge=0)
-    # decode: gpu. nvJPEG calls at once in each inference replica.
-    decode_threads: int = Field(1, ge=1, le=8)
+    # decode: gpu. nvJPEG's full calls (64 JPEGs) use its GPU_HYBRID backend (Huffman
+    # decoding in CUDA kernels, a tenth of the CPU) instead of the JPEG hardware decoder,
+    # whose thread polls the hardware all call long (engines/nvjpeg.py); smaller calls, which
+    # GPU_HYBRID would decode on the CPU, stay on the hardware.
+    gpu_hybrid_decode: bool = False
     # Structured request logs (JSON lines in the ingress replica's Serve log): every failed
     # request or image, and this fraction of the successful ones.
     log_sample_rate: float = Field(0.01, ge=0.0, le=1.0)
@@ -186,15 +184,6 @@ class AppConfig(_Strict):
                     f"topology groups must hold {', '.join(STAGES)} once each, in that "
                     f"order, in non-empty groups; got {[list(g) for g in self.topology]}"
                 )
-        return self
-
-    @model_validator(mode="after")
-    def _hybrid_calls_on_the_gpu(self) -> AppConfig:
-        if 0 < self.gpu_hybrid_min_jpegs <= 50:
-            raise ValueError(
-                "gpu_hybrid_min_jpegs must be 0 or more than 50: nvJPEG decodes smaller "
-                f"GPU_HYBRID calls on the CPU; got {self.gpu_hybrid_min_jpegs}"
-            )
         return self
 
     @model_validator(mode="after")

@@ -143,22 +143,23 @@ class InferenceStage:
             from engines.gpu_decode import GpuJpegDecoder
             from serve_app.preprocess import decode_limits
 
+            hybrid = None
+            if config.gpu_hybrid_decode:
+                from engines.nvjpeg import HybridJpegDecoder
+
+                hybrid = HybridJpegDecoder()
             self._gpu_decoder = GpuJpegDecoder(
                 model.spec.preprocess,
                 decode_limits(config),
-                hybrid_min_jpegs=config.gpu_hybrid_min_jpegs,
+                hybrid_decode=hybrid,
+                hybrid_min_jpegs=DECODE_BATCH,
             )
-            threads = config.decode_threads
-            self._decode_executor = ThreadPoolExecutor(threads, thread_name_prefix="nvjpeg")
+            self._decode_executor = ThreadPoolExecutor(1, thread_name_prefix="nvjpeg")
             self._decoding = DynamicBatcher(
-                self._decode_many,
-                len,
-                max_batch_size=DECODE_BATCH,
-                max_concurrent=threads,
-                max_queued=1 << 30,
+                self._decode_many, len, max_batch_size=DECODE_BATCH, max_queued=1 << 30
             )
             self._crops_on_device = not cpu
-            await self._warm_decoder(threads)
+            await self._warm_decoder()
         self.reconfigure(BatchingConfig().model_dump())
         logger.info("engine ready: %s", self._engine.info)
 
@@ -428,18 +429,13 @@ class InferenceStage:
             self._decode_executor, self._gpu_decoder.crops_many, pieces
         )
 
-    async def _warm_decoder(self, threads: int) -> None:
-        """Each decode thread decodes once (started together, so each lands on a thread of
-        its own), then the engine runs those crops, before the replica reports ready
-        (nvJPEG's first call and the resize kernels' loading cost seconds)."""
+    async def _warm_decoder(self) -> None:
+        """The decode thread decodes once, then the engine runs those crops, before the
+        replica reports ready (nvJPEG's first call and the resize kernels' loading cost
+        seconds)."""
         loop = asyncio.get_running_loop()
-        warmups = await asyncio.gather(
-            *(
-                loop.run_in_executor(self._decode_executor, self._gpu_decoder.warmup)
-                for _ in range(threads)
-            )
-        )
-        crops = warmups[0].pixels
+        warm = await loop.run_in_executor(self._decode_executor, self._gpu_decoder.warmup)
+        crops = warm.pixels
         if not (self._crops_on_device and crops.is_cuda):
             crops = crops.cpu().numpy()
         await loop.run_in_executor(
