@@ -62,8 +62,12 @@ class GpuJpegDecoder:
         device: str = "cuda",
         decode_batch: BatchDecode | None = None,
         chunk: int | None = None,
+        hybrid_decode: BatchDecode | None = None,
+        hybrid_min_jpegs: int = 0,
     ) -> None:
-        """decode_batch: torchvision's batched nvJPEG when None (tests pass others); chunk:
+        """decode_batch: torchvision's batched nvJPEG when None (tests pass others);
+        hybrid_decode: takes the calls of at least hybrid_min_jpegs JPEGs instead (nvJPEG's
+        GPU_HYBRID backend, engines/nvjpeg.py); chunk:
         the most JPEGs it is given at once (None: a call's all). Twelve processes decoding
         alone spent less CPU in chunks of 8 than in calls of 64 (0.18 ms an image against
         0.73), but the served config, its GPU busy with the engines too, served less at
@@ -71,6 +75,7 @@ class GpuJpegDecoder:
         self._spec, self._limits, self._device = spec, limits, torch.device(device)
         self._chunk = chunk
         self.decode_batch = decode_batch or self._torchvision_decoder()
+        self._hybrid, self._hybrid_min_jpegs = hybrid_decode, hybrid_min_jpegs
         self._threads = threading.local()
 
     def _torchvision_decoder(self) -> BatchDecode:
@@ -87,9 +92,13 @@ class GpuJpegDecoder:
 
     def warmup(self) -> Crops:
         """Decode and crop generated JPEGs once on this thread (its CUDA stream, nvJPEG's
-        first call, the resize kernels' lazy loading), so no request pays for it: on an
-        H200 the first request after ready took 4 s, all of it in decode."""
-        return self.crops([_sample_jpeg(640, 480), _sample_jpeg(480, 640)])
+        first call, the resize kernels' lazy loading; the GPU_HYBRID backend's too), so no
+        request pays for it: on an H200 the first request after ready took 4 s, all of it
+        in decode."""
+        jpegs = [_sample_jpeg(640, 480), _sample_jpeg(480, 640)]
+        if self._hybrid is not None:
+            self.crops(jpegs * -(-self._hybrid_min_jpegs // 2))
+        return self.crops(jpegs)
 
     def crops_many(self, requests: list[list[bytes]]) -> list[Crops]:
         """Several requests' JPEGs in one batched decode, then resized and cropped together
@@ -115,13 +124,14 @@ class GpuJpegDecoder:
         return [Crops(crops[lo:hi], tuple(range(hi - lo))) for lo, hi in itertools.pairwise(bounds)]
 
     def decode_in_chunks(self, jpegs: list[bytes]) -> list[torch.Tensor]:
-        """decode_batch in calls of at most `chunk` JPEGs."""
+        """decode_batch (or hybrid_decode) in calls of at most `chunk` JPEGs."""
         step = self._chunk or max(len(jpegs), 1)
-        return [
-            image
-            for i in range(0, len(jpegs), step)
-            for image in self.decode_batch(jpegs[i : i + step])
-        ]
+        images = []
+        for i in range(0, len(jpegs), step):
+            chunk = jpegs[i : i + step]
+            hybrid = self._hybrid is not None and len(chunk) >= self._hybrid_min_jpegs
+            images += (self._hybrid if hybrid else self.decode_batch)(chunk)
+        return images
 
     def _one_by_one(self, jpegs: list[bytes]) -> Crops:
         """The CPU path for each JPEG of a request nvJPEG refused, for its diagnosis."""

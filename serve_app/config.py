@@ -143,6 +143,11 @@ class AppConfig(_Strict):
     # cpu: PIL decodes every image. gpu: JPEGs are decoded by nvJPEG in the inference replica
     # (needs torchvision and a GPU there); the CPU stage only checks headers.
     decode: Literal["cpu", "gpu"] = "cpu"
+    # decode: gpu. nvJPEG's full calls (64 JPEGs) use its GPU_HYBRID backend (Huffman
+    # decoding in CUDA kernels, a tenth of the CPU) instead of the JPEG hardware decoder,
+    # whose thread polls the hardware all call long (engines/nvjpeg.py); smaller calls, which
+    # GPU_HYBRID would decode on the CPU, stay on the hardware.
+    gpu_hybrid_decode: bool = False
     # Structured request logs (JSON lines in the ingress replica's Serve log): every failed
     # request or image, and this fraction of the successful ones.
     log_sample_rate: float = Field(0.01, ge=0.0, le=1.0)

@@ -143,7 +143,17 @@ class InferenceStage:
             from engines.gpu_decode import GpuJpegDecoder
             from serve_app.preprocess import decode_limits
 
-            self._gpu_decoder = GpuJpegDecoder(model.spec.preprocess, decode_limits(config))
+            hybrid = None
+            if config.gpu_hybrid_decode:
+                from engines.nvjpeg import HybridJpegDecoder
+
+                hybrid = HybridJpegDecoder()
+            self._gpu_decoder = GpuJpegDecoder(
+                model.spec.preprocess,
+                decode_limits(config),
+                hybrid_decode=hybrid,
+                hybrid_min_jpegs=DECODE_BATCH,
+            )
             self._decode_executor = ThreadPoolExecutor(1, thread_name_prefix="nvjpeg")
             self._decoding = DynamicBatcher(
                 self._decode_many, len, max_batch_size=DECODE_BATCH, max_queued=1 << 30

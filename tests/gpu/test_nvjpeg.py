@@ -51,6 +51,36 @@ def test_nvjpeg_crops_match_the_cpu_path(model, photos) -> None:
     assert [len(c.pixels) for c in both] == [1, 4]
 
 
+def test_gpu_hybrid_decode_matches_the_hardware_decoder(photos) -> None:
+    """nvJPEG's GPU_HYBRID backend, called directly, gives the pixels torchvision's hardware
+    decode gives, for a call of 64 (colour, grayscale and progressive JPEGs, odd sizes), and
+    a call holding an undecodable JPEG raises RuntimeError as torchvision's does."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from engines.nvjpeg import HybridJpegDecoder
+
+    coffee = np.asarray(Image.open(io.BytesIO(photos["coffee"])))
+    made = [
+        encode(coffee[..., 0], "JPEG"),  # grayscale
+        encode(coffee, "JPEG", progressive=True),
+        encode(coffee[:301, :199], "JPEG"),  # odd sizes
+    ]
+    builtin = [photos[n] for n in ("chelsea", "coffee", "astronaut", "rocket")]
+    jpegs = (made + builtin * 16)[:64]
+    decoder = HybridJpegDecoder()
+    ours = decoder(jpegs)
+    data = [torch.frombuffer(bytearray(j), dtype=torch.uint8) for j in jpegs]
+    theirs = decode_jpeg(data, mode=ImageReadMode.RGB, device="cuda")
+    torch.cuda.synchronize()
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert mine.shape == reference.shape
+        assert (mine.int() - reference.int()).abs().float().mean() < 2.0
+    with pytest.raises(RuntimeError):
+        decoder([*jpegs[:63], b"\xff\xd8\xff\xdb" + b"\x00" * 64 + b"\xff\xd9"])
+        torch.cuda.synchronize()
+    assert len(decoder(jpegs)) == 64  # the thread's state usable again after a failure
+
+
 async def test_gpu_replica_keeps_crops_on_the_gpu_and_answers_each_image(
     model_repository, photos
 ) -> None:

@@ -161,6 +161,41 @@ def test_a_decoder_decodes_in_chunks_with_the_same_results(model, photos) -> Non
     assert chunked.calls[:2] == [3, 2] and max(chunked.calls) <= 3
 
 
+def test_large_calls_go_to_the_hybrid_decoder_with_the_same_results(model, photos) -> None:
+    """With a GPU_HYBRID decoder beside the hardware one, calls of at least
+    hybrid_min_jpegs JPEGs go to it, smaller ones (and the per-request retries after a bad
+    JPEG) to the hardware decoder; the crops, positions and errors are the same."""
+    from engines.gpu_decode import GpuJpegDecoder
+    from engines.images import DecodeLimits
+
+    spec = model.spec.preprocess
+    alone, hardware, hybrid = _PilBatchDecoder(), _PilBatchDecoder(), _PilBatchDecoder()
+    plain = GpuJpegDecoder(spec, DecodeLimits(), device="cpu", decode_batch=alone)
+    split = GpuJpegDecoder(
+        spec,
+        DecodeLimits(),
+        device="cpu",
+        decode_batch=hardware,
+        chunk=4,
+        hybrid_decode=hybrid,
+        hybrid_min_jpegs=4,
+    )
+    first = [photos["chelsea"], photos["coffee"], photos["rocket"]]
+    bad = [photos["coffee"], b"\xff\xd8\xff\xdb" + b"\x00" * 64 + b"\xff\xd9"]
+    second = [photos["rocket"], photos["chelsea"], photos["astronaut"]]
+    for requests in ([first, second], [first, bad, second], [first]):
+        expected, crops = plain.crops_many(requests), split.crops_many(requests)
+        assert [c.good for c in crops] == [c.good for c in expected]
+        assert [[i for i, _ in c.errors] for c in crops] == [
+            [i for i, _ in c.errors] for c in expected
+        ]
+        assert all(torch.equal(c.pixels, e.pixels) for c, e in zip(crops, expected, strict=True))
+    # 6 JPEGs: 4 hybrid + 2; 8: 4 + 4 hybrid, the second holding the bad JPEG, so each
+    # request again on its own (3, 2, 3); then 3 JPEGs, fewer than 4
+    assert hybrid.calls == [4, 4, 4]
+    assert hardware.calls == [2, 3, 2, 3, 3]
+
+
 async def test_a_gpu_decode_replica_decodes_the_jpegs_of_waiting_calls_together(
     model_repository, photos, monkeypatch
 ) -> None:
