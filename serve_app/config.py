@@ -143,10 +143,11 @@ class AppConfig(_Strict):
     # cpu: PIL decodes every image. gpu: JPEGs are decoded by nvJPEG in the inference replica
     # (needs torchvision and a GPU there); the CPU stage only checks headers.
     decode: Literal["cpu", "gpu"] = "cpu"
-    # decode: gpu. nvJPEG's full calls (64 JPEGs) use its GPU_HYBRID backend (Huffman
+    # With decode: gpu, nvJPEG's full calls (64 JPEGs) use its GPU_HYBRID backend (Huffman
     # decoding in CUDA kernels, a tenth of the CPU) instead of the JPEG hardware decoder,
     # whose thread polls the hardware all call long (engines/nvjpeg.py); smaller calls, which
-    # GPU_HYBRID would decode on the CPU, stay on the hardware.
+    # GPU_HYBRID would decode on the CPU, stay on the hardware. Every GPU wait of the
+    # inference replicas then sleeps (as torch-cuda's blocking_sync).
     gpu_hybrid_decode: bool = False
     # Structured request logs (JSON lines in the ingress replica's Serve log): every failed
     # request or image, and this fraction of the successful ones.
@@ -184,6 +185,12 @@ class AppConfig(_Strict):
                     f"topology groups must hold {', '.join(STAGES)} once each, in that "
                     f"order, in non-empty groups; got {[list(g) for g in self.topology]}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _hybrid_decode_on_the_gpu(self) -> AppConfig:
+        if self.gpu_hybrid_decode and self.decode != "gpu":
+            raise ValueError("gpu_hybrid_decode needs decode: gpu")
         return self
 
     @model_validator(mode="after")

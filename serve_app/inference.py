@@ -120,6 +120,12 @@ class InferenceStage:
         self._spec = model.spec
         self._mean = model.spec.preprocess.mean_array
         self._std = model.spec.preprocess.std_array
+        if config.gpu_hybrid_decode:  # its decode waits for kernels: asleep, not spinning
+            import torch
+
+            from engines.cuda_graphs import sleep_in_every_gpu_wait
+
+            sleep_in_every_gpu_wait(torch.device("cuda"))
         # Off the event loop: building and warming a GPU engine can take a minute.
         self._engine = await asyncio.to_thread(_warm_engine, config, model)
         cpu = self._engine.info.device == "cpu"

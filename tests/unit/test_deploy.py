@@ -131,6 +131,8 @@ def test_config_errors_name_the_field() -> None:
         AppConfig.model_validate({"engine": {"kind": "tensorflow"}})
     with pytest.raises(ValueError, match="Extra inputs"):
         AppConfig.model_validate({"prot": 9000})
+    with pytest.raises(ValueError, match="gpu_hybrid_decode needs decode: gpu"):
+        AppConfig.model_validate({"gpu_hybrid_decode": True})
 
 
 def test_serve_stops_when_the_ingress_cannot_bind_its_port() -> None:
