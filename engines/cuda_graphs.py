@@ -146,8 +146,11 @@ class GraphEngine(Engine):
         self._add_bucket(largest)
         self._capturing = None
         if background and others:
+            # Not a daemon: at exit, Python kills daemon threads where they are, and one
+            # killed inside a capture aborted the process ("terminate called without an
+            # active exception") after GPU tests that never closed their engines had passed.
             self._capturing = threading.Thread(
-                target=self._add_buckets_or_log, args=(others,), name="capture", daemon=True
+                target=self._add_buckets_or_log, args=(others,), name="capture"
             )
             self._capturing.start()
         else:
