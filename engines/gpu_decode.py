@@ -67,11 +67,11 @@ class GpuJpegDecoder:
     ) -> None:
         """decode_batch: torchvision's batched nvJPEG when None (tests pass others);
         hybrid_decode: takes the calls of at least hybrid_min_jpegs JPEGs instead (nvJPEG's
-        GPU_HYBRID backend, engines/nvjpeg.py); chunk:
-        the most JPEGs it is given at once (None: a call's all). Twelve processes decoding
-        alone spent less CPU in chunks of 8 than in calls of 64 (0.18 ms an image against
-        0.73), but the served config, its GPU busy with the engines too, served less at
-        more CPU with them (docs/performance.md, row 6): the Inference replicas use None."""
+        GPU_HYBRID backend, engines/nvjpeg.py); chunk: the most JPEGs it is given at once
+        (None: a call's all). Twelve processes decoding alone spent less CPU in chunks of 8
+        than in calls of 64 (0.18 ms an image against 0.73), but the served config, its GPU
+        busy with the engines too, served less at more CPU with them (docs/performance.md,
+        row 6): the Inference replicas use None."""
         self._spec, self._limits, self._device = spec, limits, torch.device(device)
         self._chunk = chunk
         self.decode_batch = decode_batch or self._torchvision_decoder()
