@@ -8,7 +8,8 @@ from the queue only when it is free: under load a batch holds everything that ar
 the engine was busy (up to `max_batch_size` images), at low load a lone request runs at once,
 and `max_delay_s` optionally waits for company. Cancelled requests, and requests whose
 deadline passed while queued (`DeadlineExceeded`), are dropped before they reach the engine;
-a full queue rejects at once (`Overloaded`).
+a full queue rejects at once (`Overloaded`). Closing (its model version unloaded) fails
+every request still queued or in a running batch (`Unavailable`): none waits for good.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from serve_app.errors import DeadlineExceeded, Overloaded
+from serve_app.errors import DeadlineExceeded, Overloaded, Unavailable
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -58,6 +59,7 @@ class DynamicBatcher(Generic[T, R]):
         # time (the replica's user_config): workers past it idle.
         self.concurrency = max_concurrent
         self._workers = [asyncio.create_task(self._work(i)) for i in range(max_concurrent)]
+        self._closed = False
 
     @property
     def queued_images(self) -> int:
@@ -71,6 +73,8 @@ class DynamicBatcher(Generic[T, R]):
         """Run `item` in some batch; returns its result and the ms it waited in the queue.
         Past `deadline` (a time.time() value) it is dropped: DeadlineExceeded."""
         size = self._size_of(item)
+        if self._closed:
+            raise _closed()
         if self._queued_images + size > self.max_queued:
             raise Overloaded(
                 f"inference queue is full ({self._queued_images} images waiting, "
@@ -148,16 +152,32 @@ class DynamicBatcher(Generic[T, R]):
     async def _run_batch(self, batch: list[_Pending[T, R]]) -> None:
         try:
             results = await self._run([p.item for p in batch])
+        except asyncio.CancelledError:  # closed while it ran
+            _fail(batch, _closed())
+            raise
         except Exception as exc:
-            for p in batch:
-                if not p.future.done():
-                    p.future.set_exception(exc)
+            _fail(batch, exc)
             return
         for p, result in zip(batch, results, strict=True):
             if not p.future.done():
                 p.future.set_result(result)
 
     async def close(self) -> None:
+        """Stop the workers; the requests still queued or running fail (Unavailable)."""
+        self._closed = True
         for worker in self._workers:
             worker.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
+        _fail(self._queue, _closed())
+        self._queue.clear()
+        self._queued_images = 0
+
+
+def _fail(pending: Iterable[_Pending], exc: BaseException) -> None:
+    for p in pending:
+        if not p.future.done():
+            p.future.set_exception(exc)
+
+
+def _closed() -> Unavailable:
+    return Unavailable("the model version was unloaded before this request's batch ran")

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from serve_app.batching import DynamicBatcher
-from serve_app.errors import DeadlineExceeded, Overloaded
+from serve_app.errors import DeadlineExceeded, Overloaded, Unavailable
 
 
 class GatedEngine:
@@ -111,6 +111,25 @@ async def _loop_turns(count: int = 20) -> None:
     queued request to the engine (one or two)."""
     for _ in range(count):
         await asyncio.sleep(0)
+
+
+async def test_closing_fails_every_request_queued_or_running() -> None:
+    """A model version unloaded while requests are in its batcher (past the unload's drain
+    timeout): the running batch's and the queued requests fail with Unavailable instead of
+    waiting for good, and a request submitted after the close fails at once."""
+    engine = GatedEngine()
+    batcher = DynamicBatcher(engine.run, len, max_batch_size=2)
+    running = asyncio.create_task(batcher.submit([1]))
+    await engine.started.wait()
+    queued = [asyncio.create_task(batcher.submit([2])) for _ in range(3)]
+    await asyncio.sleep(0)
+    await batcher.close()
+    for task in [running, *queued]:
+        with pytest.raises(Unavailable, match="unloaded"):
+            await asyncio.wait_for(task, 1)
+    with pytest.raises(Unavailable):
+        await batcher.submit([3])
+    assert engine.batches == [[1]] and batcher.queued_images == 0
 
 
 async def test_max_delay_waits_for_company() -> None:
