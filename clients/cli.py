@@ -30,7 +30,7 @@ from clients.client import status_name
 from clients.embed_command import FORMATS, EmbedError
 from engines.base import EngineError
 from engines.calibration import IMAGE_SUFFIXES
-from engines.repository import ModelNotFoundError
+from engines.repository import LOAD_FAILED, ModelNotFoundError
 
 DEFAULT_SERVER = "127.0.0.1:9000"
 DEFAULT_CONFIG = Path("deploy/serve_config.yaml")
@@ -229,7 +229,16 @@ async def _models(args: argparse.Namespace) -> int:
     async with Client(args.server, **_connection(args)) as client:
         if args.action == "load":
             versions = args.versions.split(",") if args.versions else ()
-            await client.load_model(args.name, latest=args.latest, versions=versions)
+            if any(not version.strip() for version in versions):
+                raise CliError(f"--versions {args.versions!r}: a version is empty")
+            try:
+                await client.load_model(args.name, latest=args.latest, versions=versions)
+            except grpc.aio.AioRpcError as exc:  # the server's own UNAVAILABLE: not "down"
+                if exc.details() and exc.details().startswith(LOAD_FAILED):
+                    raise CliError(
+                        f"the server could not load {args.name}: {exc.details()}"
+                    ) from None
+                raise
         elif args.action == "unload":
             await client.unload_model(args.name)
         rows = await client.models()
@@ -525,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", default="", help="model name (unload: NAME/VERSION too)")
     policy = p.add_mutually_exclusive_group()
     policy.add_argument("--versions", help="load these versions, comma-separated: 1,2")
-    policy.add_argument("--latest", type=int, help="load the latest N versions")
+    policy.add_argument("--latest", type=count(), help="load the latest N versions")
     p.add_argument("--server", default=DEFAULT_SERVER, help="host:port (default %(default)s)")
     _add_connection_options(p)
     p.set_defaults(func=cmd_models)

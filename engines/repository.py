@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +29,11 @@ EXPORT_FORMAT = 2
 OUTPUT_NAMES = ("logits", "embedding")  # the model files' outputs, in this order
 ONNX_FILE = "model.onnx"
 TORCH_FILE = "model.pt2"
+
+
+# How the server's answer to a load that failed on some replica begins (an UNAVAILABLE that
+# the CLI tells apart from a server it cannot reach).
+LOAD_FAILED = "loading failed"
 
 
 class ModelNotFoundError(LookupError):
@@ -113,7 +118,19 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def is_entry_name(name: str) -> bool:
+    """Whether `name` can be a model or version directory of the repository: one path
+    component ("..", "a/b" or a name past NAME_MAX would read outside it, or fail)."""
+    return (
+        0 < len(name.encode()) <= 255
+        and name not in (".", "..")
+        and not any(c in name for c in "/\\\0")
+    )
+
+
 def list_versions(root: Path, name: str) -> list[str]:
+    if not is_entry_name(name):
+        return []
     model_dir = Path(root) / name
     if not model_dir.is_dir():
         return []
@@ -135,7 +152,10 @@ def resolve(root: Path, name: str, version: str = "") -> ModelRef:
     if version not in versions:
         raise ModelNotFoundError(f"model {name!r} has no version {version!r} (has: {versions})")
     path = root / name / version
-    return ModelRef(path=path, spec=ModelSpec.from_json((path / SPEC_FILE).read_text()))
+    spec = ModelSpec.from_json((path / SPEC_FILE).read_text())
+    # The directories name the version, as in Triton's repository: a version directory
+    # copied by hand keeps the model.json of the one it was copied from.
+    return ModelRef(path=path, spec=replace(spec, name=name, version=version))
 
 
 def select_versions(
@@ -146,6 +166,8 @@ def select_versions(
     have = list_versions(root, name)
     if not have:
         resolve(root, name)  # raises, naming what the repository holds
+    if latest is not None and latest < 1:
+        raise ValueError(f"a version policy's latest must be 1 or more, got {latest}")
     if versions:
         missing = [v for v in versions if v not in have]
         if missing:

@@ -19,10 +19,10 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.repository import list_models, list_versions, select_versions
+from engines.repository import LOAD_FAILED, list_models, list_versions, select_versions
 from serve_app.config import ModelEntry
 from serve_app.core import ServingCore
-from serve_app.errors import DeadlineExceeded, ModelNotFound, Unavailable, clip
+from serve_app.errors import DeadlineExceeded, InvalidArgument, ModelNotFound, Unavailable, clip
 from serve_app.messages import Served
 from serve_app.registry import POLL_S, ModelRegistry, key_of, split_key
 
@@ -110,6 +110,8 @@ class ModelLifecycle:
             return select_versions(self._repository, name, latest, versions)
         except LookupError as exc:
             raise ModelNotFound(str(exc)) from None
+        except ValueError as exc:  # a policy no version fits: latest < 1
+            raise InvalidArgument(str(exc)) from None
 
     async def load(
         self, name: str, latest: int | None = None, versions: tuple[str, ...] = ()
@@ -130,7 +132,9 @@ class ModelLifecycle:
         """Stop serving `name` (every version, or `version`), without failing a request in
         flight. Returns the versions unloaded."""
         if "/" in name and not version:
-            name, version = split_key(name)
+            asked, (name, version) = name, split_key(name)
+            if not name or not version:  # "name/" is no version: never every version
+                raise ModelNotFound(f"malformed model name {clip(asked)!r}: NAME or NAME/VERSION")
         async with self._lock:
             desired = await asyncio.to_thread(self._registry.desired)
             keys = [
@@ -152,7 +156,7 @@ class ModelLifecycle:
             if errors:
                 failed_here = [key for key in errors if key not in self._core.models]
                 await asyncio.to_thread(self._registry.remove, failed_here, "serve")
-                raise Unavailable(f"loading failed: {errors}")
+                raise Unavailable(f"{LOAD_FAILED}: {errors}")
             if time.monotonic() > deadline:
                 raise DeadlineExceeded(f"{keys} not ready on every replica in {LOAD_TIMEOUT_S} s")
             await asyncio.sleep(POLL_S)

@@ -400,12 +400,15 @@ def _version_policy(parameters) -> tuple[int | None, tuple[str, ...]]:
     try:
         policy = json.loads(parameters["config"].string_param).get("version_policy") or {}
         if "latest" in policy:
-            return int(policy["latest"].get("num_versions", 1)), ()
+            count = policy["latest"].get("num_versions", 1)
+            if type(count) is not int or count < 1:
+                raise ValueError(f"latest.num_versions must be an integer >= 1, got {count!r}")
+            return count, ()
         if "specific" in policy:
-            versions = tuple(str(v) for v in policy["specific"]["versions"])
-            if not versions:
-                raise ValueError("specific.versions is empty")
-            return None, versions
+            listed = policy["specific"]["versions"]
+            if not isinstance(listed, list) or not listed:
+                raise ValueError(f"specific.versions must be a non-empty list, got {listed!r}")
+            return None, tuple(str(v) for v in listed)
         if "all" in policy:
             return 1 << 30, ()
     except (ValueError, TypeError, KeyError, AttributeError) as exc:

@@ -75,7 +75,7 @@ def labels_only_repository(model, tmp_path_factory: pytest.TempPathFactory) -> P
 
     import onnx
 
-    from engines.repository import ONNX_FILE, SPEC_FILE
+    from engines.repository import ONNX_FILE, SPEC_FILE, sha256_file
 
     root = tmp_path_factory.mktemp("labels-only")
     target = root / model.spec.name / "1"
@@ -86,6 +86,7 @@ def labels_only_repository(model, tmp_path_factory: pytest.TempPathFactory) -> P
     spec = json.loads(model.spec.to_json())
     for key in ("export_format", "embedding_dim", "weights_sha256"):
         del spec[key]
+    spec["onnx_sha256"] = sha256_file(target / ONNX_FILE)
     (target / SPEC_FILE).write_text(json.dumps({**spec, "version": "1"}))
     return root
 

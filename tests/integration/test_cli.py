@@ -91,6 +91,9 @@ BAD_NUMBERS = [
     (["bench", "--sweep", "1,0"], "--sweep"),
     (["bench", "--sweep", "1,x"], "--sweep"),
     (["bench", "--sweep", "1.5,2"], "--sweep"),
+    (["models", "load", "m", "--latest", "-9"], "--latest"),
+    (["models", "load", "m", "--latest", "0"], "--latest"),
+    (["models", "load", "m", "--versions", "1,,2", "--server", "127.0.0.1:1"], "--versions"),
     (["build-engine", "--max-batch-size", "0"], "--max-batch-size"),
     (["build-engine", "--max-batch-size", "5000"], "--max-batch-size"),
 ]

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from engines.repository import ModelNotFoundError, select_versions
-from serve_app.config import STAGES, AppConfig
+from engines.repository import ModelNotFoundError, resolve, select_versions
+from serve_app.config import STAGES, AppConfig, BatchingConfig
 from serve_app.core import ServingCore
-from serve_app.errors import Code, ModelNotFound
+from serve_app.errors import Code, InvalidArgument, ModelNotFound
 from serve_app.lifecycle import ModelLifecycle
 from serve_app.messages import Answer, Job
 from serve_app.registry import MemoryStore, ModelRegistry
@@ -35,6 +35,12 @@ def test_version_policies(two_versions, versions) -> None:
     assert select_versions(two_versions, MODEL, versions=(new, old)) == [old, new]
     with pytest.raises(ModelNotFoundError, match="no version"):
         select_versions(two_versions, MODEL, versions=(str(int(new) + 1),))
+    for latest in (0, -1):  # a policy that picks no version, or all but N, is refused
+        with pytest.raises(ValueError, match="latest must be 1 or more"):
+            select_versions(two_versions, MODEL, latest=latest)
+    for name in ("..", ".", "a/b", "x" * 300, "", "a\0b"):  # never outside the repository
+        with pytest.raises(ModelNotFoundError):
+            select_versions(two_versions / MODEL, name)
     with pytest.raises(ValueError, match="not both"):
         AppConfig(models=[{"name": MODEL, "latest": 1, "versions": ["1"]}])
     with pytest.raises(ValueError, match="not in models"):
@@ -43,8 +49,40 @@ def test_version_policies(two_versions, versions) -> None:
         AppConfig(model_version="1", models=[{"name": MODEL}])
 
 
+def test_a_version_directory_copied_by_hand_is_the_version_it_is_named(
+    two_versions, versions, tmp_path
+) -> None:
+    """`cp -r 2 4` keeps version 2's model.json: the directory names the version (as in
+    Triton's repository), or a load of 4 would route as 2 and never be ready."""
+    import shutil
+
+    new = versions[1]
+    shutil.copytree(two_versions, tmp_path, dirs_exist_ok=True, symlinks=True)
+    shutil.copytree(tmp_path / MODEL / new, tmp_path / MODEL / "9", symlinks=True)
+    spec = resolve(tmp_path, MODEL, "9").spec
+    assert (spec.name, spec.version) == (MODEL, "9")
+    assert spec.embedding_space.startswith(f"{MODEL}/9/")
+    assert resolve(tmp_path, MODEL, new).spec.version == new
+
+
+def test_a_model_file_changed_since_export_is_refused(two_versions, versions, tmp_path) -> None:
+    """model.json's onnx_sha256 is checked when the engine loads: a model.onnx edited
+    since export (it may still parse, and answer nonsense) does not load."""
+    import shutil
+
+    from engines import create_engine
+    from engines.base import EngineError
+
+    target = tmp_path / MODEL / "1"
+    shutil.copytree(two_versions / MODEL / versions[1], target)  # the files, not links
+    onnx_file = target / "model.onnx"
+    onnx_file.write_bytes(onnx_file.read_bytes() + b"\0")
+    with pytest.raises(EngineError, match="changed since export"):
+        create_engine("onnxruntime", resolve(tmp_path, MODEL, "1"))
+
+
 @contextlib.asynccontextmanager
-async def served(repository, versions: list[str], store=None):
+async def served(repository, versions: list[str], store=None, drain_timeout_s: float = 5):
     """An ingress' core and lifecycle over one StageGroup (as in topology direct)."""
     config = AppConfig(
         model_repository=repository,
@@ -59,7 +97,14 @@ async def served(repository, versions: list[str], store=None):
         return group.info(key)
 
     life = ModelLifecycle(
-        core, registry, {"Ingress"}, "r1", info, repository, config.models, drain_timeout_s=5
+        core,
+        registry,
+        {"Ingress"},
+        "r1",
+        info,
+        repository,
+        config.models,
+        drain_timeout_s=drain_timeout_s,
     )
     await life.follow_once()
     life.start()
@@ -145,6 +190,81 @@ async def test_migration_loses_nothing_and_pinned_requests_never_switch(
         assert last_v1.code == Code.NOT_FOUND
         index = {(e.version, e.state) for e in life.index()}
         assert index == {(old, "UNAVAILABLE"), (new, "READY")}
+
+
+async def test_an_unload_past_its_drain_timeout_still_answers_every_request(
+    two_versions, versions, photos
+) -> None:
+    """Requests pinned to v1 that are still running when the unload's drain timeout passes
+    each get an answer: theirs, or UNAVAILABLE once v1's engine is dropped; none waits
+    for good (the batcher closed under them)."""
+    old, new = versions
+    async with served(two_versions, [old, new], drain_timeout_s=0.1) as (core, life, group):
+        group.reconfigure(BatchingConfig(max_batch_size=8).model_dump())  # the engine's
+        futures = []
+        for i in range(40):  # about 640 images: seconds of work on 2 cores
+            future = asyncio.get_running_loop().create_future()
+            job = Job(id=str(i), images=(photos["chelsea"],) * 16, model=f"{MODEL}/{old}")
+            core.submit(job, future.set_result, "s", 120.0)
+            futures.append(future)
+        await asyncio.sleep(0.3)  # some are running
+        assert await life.unload(MODEL, old) == [old]
+        answers = await asyncio.wait_for(asyncio.gather(*futures), 60)
+        codes = [answer.code for answer in answers]
+        assert set(codes) <= {0, Code.UNAVAILABLE}, {a.message for a in answers}
+        assert Code.UNAVAILABLE in codes  # the unload cut some short
+        cut = next(a for a in answers if a.code == Code.UNAVAILABLE)
+        assert "unloaded" in cut.message
+        assert sorted(group.models) == [f"{MODEL}/{new}"]
+
+
+async def test_unload_and_load_refuse_malformed_names_and_policies(two_versions, versions) -> None:
+    """ "name/" is no version (it must not unload every version), and a policy of latest
+    < 1 is refused: neither changes what is served."""
+    old, new = versions
+    async with served(two_versions, [old, new]) as (core, life, _):
+        with pytest.raises(ModelNotFound, match="malformed"):
+            await life.unload(f"{MODEL}/")
+        with pytest.raises(ModelNotFound):
+            await life.unload("..")
+        for latest in (0, -9):
+            with pytest.raises(InvalidArgument, match="latest must be 1 or more"):
+                await life.load(MODEL, latest=latest)
+        assert sorted(core.models) == [f"{MODEL}/{old}", f"{MODEL}/{new}"]
+
+
+def test_oip_version_policies_are_checked() -> None:
+    """The `config` parameter of RepositoryModelLoad, as tritonclient sends it: a count
+    that is no positive integer, or versions that are no list, are INVALID_ARGUMENT."""
+    import json
+
+    from raystream.oip import grpc_predict_v2_pb2 as oip
+    from serve_app.oip import _version_policy
+
+    def policy(version_policy) -> tuple:
+        config = json.dumps({"version_policy": version_policy})
+        request = oip.RepositoryModelLoadRequest(model_name=MODEL)
+        request.parameters["config"].string_param = config
+        return _version_policy(request.parameters)
+
+    assert policy({"latest": {"num_versions": 2}}) == (2, ())
+    assert policy({"specific": {"versions": [1, 2]}}) == (None, ("1", "2"))
+    for bad in (
+        {"latest": {"num_versions": -5}},
+        {"latest": {"num_versions": 0}},
+        {"latest": {"num_versions": 2.5}},
+        {"latest": {"num_versions": True}},
+        {"specific": {"versions": "12"}},
+        {"specific": {"versions": []}},
+    ):
+        with pytest.raises(InvalidArgument):
+            policy(bad)
+    request = oip.RepositoryModelLoadRequest(model_name=MODEL)
+    request.parameters[
+        "config"
+    ].string_param = '{"version_policy": {"latest": {"num_versions": 1e400}}}'
+    with pytest.raises(InvalidArgument):
+        _version_policy(request.parameters)
 
 
 class SlowStore(MemoryStore):
