@@ -28,7 +28,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from engines.repository import ModelRef, ModelSpec, PreprocessSpec, resolve, select_versions
 from serve_app.config import MESSAGE_LIMIT_ENV, AppConfig, Group
-from serve_app.errors import ModelNotFound, clip
+from serve_app.errors import Unavailable, clip
 from serve_app.inference import InferenceStage
 from serve_app.messages import Answer, Batch, Served
 from serve_app.metrics import resident_memory_bytes
@@ -307,7 +307,12 @@ class StageGroup:
             held = [k for k in self.models if split_key(k)[0] == self._default]
             if held:
                 return self.models[held[-1]]
-        raise ModelNotFound(f"model version {clip(key)!r} is not loaded in this replica")
+        # The ingress routed it here, so the version was loaded: it went (an unload whose
+        # drain timeout passed) or has not come yet (a replica that just started). Retryable.
+        raise Unavailable(
+            f"model version {clip(key)!r} is not loaded in this replica (unloaded while the "
+            f"request was in flight, or not loaded here yet)"
+        )
 
     async def run(self, batch: Batch) -> Batch | list[Answer]:
         return await self.model(batch.model).run(batch)
