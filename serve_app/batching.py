@@ -180,4 +180,4 @@ def _fail(pending: Iterable[_Pending], exc: BaseException) -> None:
 
 
 def _closed() -> Unavailable:
-    return Unavailable("the model version was unloaded before this request's batch ran")
+    return Unavailable("the model version was unloaded before this request's batch was done")
