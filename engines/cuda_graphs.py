@@ -146,9 +146,9 @@ class GraphEngine(Engine):
         self._add_bucket(largest)
         self._capturing = None
         if background and others:
-            # Not a daemon: at exit, Python kills daemon threads where they are, and one
-            # killed inside a capture aborted the process ("terminate called without an
-            # active exception") after GPU tests that never closed their engines had passed.
+            # Not a daemon: at exit Python kills daemon threads where they are, and one
+            # killed inside a capture aborts the process ("terminate called without an
+            # active exception"), e.g. a script that exits without closing its engine.
             self._capturing = threading.Thread(
                 target=self._add_buckets_or_log, args=(others,), name="capture"
             )
