@@ -38,6 +38,7 @@ from serve_app.errors import (
 )
 from serve_app.messages import Answer, Batch, Failure, Job, Served, copied
 from serve_app.metrics import IngressMetrics
+from serve_app.registry import parse_model_name
 from serve_app.result_cache import CachedRequests, Part, cacheable
 
 logger = logging.getLogger(__name__)
@@ -137,11 +138,8 @@ class ServingCore:
         """The version that answers: `name` may be "name" or "name/version"; an empty name
         means the default model (NOT_FOUND where not `default`: OIP names its model), an
         empty version the highest version routed."""
-        if "/" in name and not version:
-            asked = name
-            name, version = name.split("/", 1)
-            if not (name and version):
-                raise self._not_found(f'model {clip(asked)!r} is not "name" or "name/version"')
+        if not version:
+            name, version = parse_model_name(name)
         if not name and not default:
             raise self._not_found("no model named")
         name = name or self.default

@@ -24,7 +24,7 @@ from serve_app.config import ModelEntry
 from serve_app.core import ServingCore
 from serve_app.errors import DeadlineExceeded, InvalidArgument, ModelNotFound, Unavailable, clip
 from serve_app.messages import Served
-from serve_app.registry import POLL_S, ModelRegistry, key_of, split_key
+from serve_app.registry import POLL_S, ModelRegistry, key_of, parse_model_name, split_key
 
 logger = logging.getLogger(__name__)
 
@@ -131,10 +131,8 @@ class ModelLifecycle:
     async def unload(self, name: str, version: str = "") -> list[str]:
         """Stop serving `name` (every version, or `version`), without failing a request in
         flight. Returns the versions unloaded."""
-        if "/" in name and not version:
-            asked, (name, version) = name, split_key(name)
-            if not name or not version:  # "name/" is no version: never every version
-                raise ModelNotFound(f"malformed model name {clip(asked)!r}: NAME or NAME/VERSION")
+        if not version:
+            name, version = parse_model_name(name)
         async with self._lock:
             desired = await asyncio.to_thread(self._registry.desired)
             keys = [

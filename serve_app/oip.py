@@ -49,6 +49,7 @@ from serve_app.errors import (
 from serve_app.lifecycle import ModelLifecycle
 from serve_app.messages import Answer, Job, OipOutput, Served
 from serve_app.pixels import client_pixels
+from serve_app.registry import parse_model_name
 from serve_app.streams import StreamRunner, start_task
 from serve_app.v1 import budget_s, unary_handler
 
@@ -374,7 +375,7 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
             latest, versions = _version_policy(request.parameters)
             name = request.model_name
             if "/" in name:  # raystream: "name/version" loads that version beside the others
-                name, version = name.split("/", 1)
+                name, version = parse_model_name(name)
                 loaded = [m.version for m in self._core.versions(name)]
                 latest, versions = None, (*loaded, version)
             await self._models.load(name, latest, versions)

@@ -25,6 +25,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from serve_app.errors import ModelNotFound, clip
+
 State = Literal["serve", "drain"]
 POLL_S = 0.25  # how often replicas read the desired state and write their report
 FRESH_S = 5.0  # a report older than this is from a replica that is gone
@@ -108,6 +110,19 @@ def key_of(name: str, version: str) -> str:
 
 def split_key(key: str) -> tuple[str, str]:
     name, _, version = key.partition("/")
+    return name, version
+
+
+def parse_model_name(asked: str) -> tuple[str, str]:
+    """A client's "name" or "name/version" as (name, version); "name/", "/1" and "/" are
+    neither (ModelNotFound): never the default model, nor every version."""
+    if "/" not in asked:
+        return asked, ""
+    name, version = split_key(asked)
+    if not (name and version):
+        raise ModelNotFound(
+            f'malformed model name {clip(asked)!r}: it is not "name" or "name/version"'
+        )
     return name, version
 
 
