@@ -232,6 +232,7 @@ class _Stats:
         self.client_cpu_s = 0.0
         self.timed = 0  # OK answers in the window, whose `timing` is summed here:
         self.timing_sums = dict.fromkeys(TIMING, 0.0)
+        self.timings: list[tuple[float, ...]] = []  # ... and kept, in seconds (for the tails)
         self._answered: set[str] = set()
 
     def answer(self, response: pb.ClassifyResponse, now: float, outstanding: dict) -> None:
@@ -259,8 +260,10 @@ class _Stats:
                 self.outputs_missing += 1
         if self._count(now, sent, total, ok) and not response.error.code:
             self.timed += 1
-            for name in TIMING:
-                self.timing_sums[name] += getattr(response.timing, f"{name}_ms")
+            times = tuple(getattr(response.timing, f"{name}_ms") / 1000.0 for name in TIMING)
+            for name, seconds in zip(TIMING, times, strict=True):
+                self.timing_sums[name] += seconds * 1000.0
+            self.timings.append(times)
 
     def failed_call(self, code: int, now: float, sent: float) -> None:
         """A unary call that ended with a non-OK status: its answer."""
@@ -546,6 +549,13 @@ def merge(spec: LoadSpec, results: list[dict]) -> dict:
         report["server_timing_ms"] = {
             name: sum(r["timing_sums"][name] for r in results) / timed for name in TIMING
         }
+        # the server's own tail, and each stage's: where a slow request spent its time
+        timings = [times for r in results for times in r["timings"]]
+        report["server_total_ms"] = _percentiles([times[0] for times in timings])
+        report["server_timing_p99_ms"] = {
+            name: _percentiles([times[i] for times in timings])["p99"]
+            for i, name in enumerate(TIMING)
+        }
     if spec.rate:
         report["offered_images_per_s"] = spec.rate
         report["send_lag_ms"] = _percentiles([x for r in results for x in r["lags"]])
@@ -572,14 +582,17 @@ def summary(report: dict) -> str:
     once = "exactly one answer each" if report["exactly_once"] else "NOT exactly one answer each"
     lag = report.get("send_lag_ms", {}).get("p99")
     timing = report.get("server_timing_ms")
+    server = report.get("server_total_ms", {})
     return (
         f"{spec.describe()}, {report['processes']} process(es), {spec.duration:g} s: "
         f"{report['images_per_s']:.1f} img/s {report['requests_per_s']:.1f} req/s, latency ms "
         f"p50 {lat['p50']:.2f} p90 {lat['p90']:.2f} p99 {lat['p99']:.2f} max {lat['max']:.2f}"
         + (f", send lag p99 {lag:.2f} ms" if lag is not None else "")
         + (
-            "; server's mean ms: " + ", ".join(f"{name} {timing[name]:.1f}" for name in TIMING)
-            if timing
+            "; server's mean ms: "
+            + ", ".join(f"{name} {timing[name]:.1f}" for name in TIMING)
+            + f" (total p50 {server['p50']:.1f} p99 {server['p99']:.1f})"
+            if timing and server
             else ""
         )
         + f"; errors {errors(report) or 'none'}; {report['requests']['sent']} requests, {once}"

@@ -804,15 +804,26 @@ def _ratio(row: dict, rows: list[dict]) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    header = ("scenario", "load", "img/s", "p50 ms", "p99 ms", "CPU ms/img", "errors", "note")
+    header = (
+        "scenario",
+        "load",
+        "img/s",
+        "p50 ms",
+        "p99 ms",
+        "server p99",
+        "CPU ms/img",
+        "errors",
+        "note",
+    )
     lines = []
     for row in rows:
         report = row["report"]
         cells = [f"{row['scenario']}/{row['server']}", row["load"]]
         if "failed" in report:
-            cells += ["-", "-", "-", "-", "FAILED", report["failed"][:60]]
+            cells += ["-", "-", "-", "-", "-", "FAILED", report["failed"][:60]]
         else:
             lat = report.get("latency_ms") or {}
+            server = report.get("server_total_ms") or {}
             errors = load.errors(report) if "request_codes" in report else {}
             error_count = sum(errors.values())
             if "request_codes" in report and not report["exactly_once"]:
@@ -830,6 +841,7 @@ def table(rows: list[dict]) -> str:
                 f"{report['images_per_s']:.1f}",
                 f"{lat['p50']:.1f}" if lat else "-",
                 f"{lat['p99']:.1f}" if lat else "-",
+                f"{server['p99']:.1f}" if server else "-",
                 f"{report['cpu_ms_per_image']:.2f}" if report.get("cpu_ms_per_image") else "-",
                 errors_text if row["kind"] != "baseline" else "-",
                 note,
