@@ -203,6 +203,7 @@ def export_model(
             export_format=EXPORT_FORMAT,
             embedding_dim=model.embedding_dim,
             weights_sha256=weights,
+            program_sha256=sha256_file(tmp / TORCH_FILE) if with_torch else "",
         )
         (tmp / SPEC_FILE).write_text(spec.to_json())
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ import numpy as np
 import onnxruntime as ort
 
 from engines.base import Engine, EngineError, EngineInfo, Outputs
-from engines.repository import OUTPUT_NAMES, ModelRef, sha256_file
+from engines.repository import OUTPUT_NAMES, ModelRef
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +30,8 @@ class OnnxRuntimeEngine(Engine):
         141.9 img/s, 4 runs each), and decode + engine in one process lost nothing."""
         if not model.onnx_path.is_file():
             raise EngineError(f"{model.onnx_path} is missing; run `raystream export`")
-        digest = model.spec.onnx_sha256
-        if digest and sha256_file(model.onnx_path) != digest:
-            raise EngineError(
-                f"{model.onnx_path} is not the file its model.json names (onnx_sha256 "
-                f"{digest[:16]}...): changed since export; export the version again"
-            )
+        if changed := model.changed_since_export(model.onnx_path):
+            raise EngineError(changed)
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.intra_op_num_threads = threads  # 0: one per physical core

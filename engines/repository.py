@@ -70,6 +70,7 @@ class ModelSpec:
     export_format: int = 1  # EXPORT_FORMAT when written; model.json without it: 1
     embedding_dim: int = 0  # width of the `embedding` output; 0: logits only
     weights_sha256: str = ""  # digest of the weights exported (engines.export.weights_digest)
+    program_sha256: str = ""  # digest of model.pt2 ("": none exported, or an older export)
 
     @property
     def num_classes(self) -> int:
@@ -108,6 +109,19 @@ class ModelRef:
     @property
     def torch_path(self) -> Path:
         return self.path / TORCH_FILE
+
+    def changed_since_export(self, path: Path) -> str:
+        """Why `path` (model.onnx or model.pt2) is not the file model.json names ("": it is,
+        or model.json names no digest for it). An edited file may still load, and answer
+        nonsense."""
+        field = {ONNX_FILE: "onnx_sha256", TORCH_FILE: "program_sha256"}[path.name]
+        digest = getattr(self.spec, field)
+        if not digest or sha256_file(path) == digest:
+            return ""
+        return (
+            f"{path} is not the file its model.json names ({field} {digest[:16]}...): "
+            f"changed since export; export the version again"
+        )
 
 
 def sha256_file(path: Path) -> str:

@@ -112,6 +112,8 @@ class TorchCudaEngine(GraphEngine):
                 f"{model.torch_path} is missing: run `raystream export` (it writes "
                 f"the torch.export program next to model.onnx)"
             )
+        if changed := model.changed_since_export(model.torch_path):
+            raise EngineError(changed)
         try:
             module = torch.export.load(str(model.torch_path)).module()
         except Exception as exc:

@@ -84,7 +84,7 @@ def labels_only_repository(model, tmp_path_factory: pytest.TempPathFactory) -> P
     del graph.graph.output[1:]  # ONNX Runtime drops the nodes nothing reads any more
     onnx.save(graph, str(target / ONNX_FILE))
     spec = json.loads(model.spec.to_json())
-    for key in ("export_format", "embedding_dim", "weights_sha256"):
+    for key in ("export_format", "embedding_dim", "weights_sha256", "program_sha256"):
         del spec[key]
     spec["onnx_sha256"] = sha256_file(target / ONNX_FILE)
     (target / SPEC_FILE).write_text(json.dumps({**spec, "version": "1"}))

@@ -81,6 +81,31 @@ def test_a_model_file_changed_since_export_is_refused(two_versions, versions, tm
         create_engine("onnxruntime", resolve(tmp_path, MODEL, "1"))
 
 
+def test_a_torch_program_changed_since_export_is_named(model, tmp_path) -> None:
+    """model.json's program_sha256 names model.pt2 (the torch-cuda engine checks it before
+    loading); a model.json without it (an older export) checks nothing."""
+    import json
+    import shutil
+
+    from engines.repository import SPEC_FILE, TORCH_FILE, sha256_file
+
+    if not model.torch_path.is_file():
+        pytest.skip("the model was exported without its torch program")
+    target = tmp_path / MODEL / "1"
+    shutil.copytree(model.path, target)
+    spec = json.loads((target / SPEC_FILE).read_text())
+    (target / SPEC_FILE).write_text(
+        json.dumps({**spec, "program_sha256": sha256_file(model.torch_path)})
+    )
+    ref = resolve(tmp_path, MODEL, "1")
+    assert ref.changed_since_export(ref.torch_path) == ""
+    with (target / TORCH_FILE).open("ab") as program:
+        program.write(b"\0")
+    assert "changed since export" in ref.changed_since_export(ref.torch_path)
+    (target / SPEC_FILE).write_text(json.dumps({**spec, "program_sha256": ""}))
+    assert resolve(tmp_path, MODEL, "1").changed_since_export(ref.torch_path) == ""
+
+
 @contextlib.asynccontextmanager
 async def served(repository, versions: list[str], store=None, drain_timeout_s: float = 5):
     """An ingress' core and lifecycle over one StageGroup (as in topology direct)."""
