@@ -13,6 +13,7 @@ by another one.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -59,7 +60,10 @@ class ModelLifecycle:
         self._repository = repository
         self._policies = {entry.name: entry for entry in policies}
         self._drain_timeout_s = drain_timeout_s
-        self._lock = asyncio.Lock()
+        # one load or unload of a model at a time in this ingress; other models' go on
+        self._locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(
+            asyncio.Lock
+        )
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -120,7 +124,7 @@ class ModelLifecycle:
         traffic; then unload its other versions. Returns the versions served."""
         wanted = self.versions_for(name, latest, versions)
         keys = [key_of(name, version) for version in wanted]
-        async with self._lock:
+        async with self._locks[name]:
             await asyncio.to_thread(self._registry.set_state, keys, "serve")
             await self._until_routed(keys)
             desired = await asyncio.to_thread(self._registry.desired)
@@ -133,7 +137,7 @@ class ModelLifecycle:
         flight. Returns the versions unloaded."""
         if not version:
             name, version = parse_model_name(name)
-        async with self._lock:
+        async with self._locks[name]:
             desired = await asyncio.to_thread(self._registry.desired)
             keys = [
                 key

@@ -332,6 +332,38 @@ async def test_two_ingresses_unloading_at_once_both_take_effect(
         assert core.models == {}
 
 
+async def test_a_load_that_never_becomes_ready_holds_up_no_other_model(
+    two_versions, versions, model, tmp_path
+) -> None:
+    """A load waits until every stage replica holds the version (up to 600 s for GPU
+    engines); one that some replica never reports held must not hold up loads and unloads
+    of the other models meanwhile."""
+    import shutil
+
+    old, new = versions
+    shutil.copytree(two_versions, tmp_path, dirs_exist_ok=True, symlinks=True)
+    shutil.copytree(model.path, tmp_path / "other" / "1")
+    store = MemoryStore()
+    async with served(tmp_path, [old, new], store) as (core, life, _):
+        registry = ModelRegistry(store, "test")
+
+        async def stuck_replica() -> None:  # alive, holds MODEL's versions, never "other"
+            while True:
+                registry.report("Ingress", "r-stuck", [f"{MODEL}/{old}", f"{MODEL}/{new}"])
+                await asyncio.sleep(0.1)
+
+        stuck = asyncio.create_task(stuck_replica())
+        load = asyncio.create_task(life.load("other"))
+        try:
+            await asyncio.sleep(1.0)
+            assert not load.done() and "other/1" not in core.models
+            assert await asyncio.wait_for(life.unload(MODEL, old), 10) == [old]
+            assert sorted(core.models) == [f"{MODEL}/{new}"]
+        finally:
+            load.cancel()
+            stuck.cancel()
+
+
 def test_the_desired_state_is_one_key_per_version(monkeypatch) -> None:
     store = MemoryStore()
     first, second = ModelRegistry(store, "app"), ModelRegistry(store, "app")
