@@ -227,20 +227,25 @@ async def _models(args: argparse.Namespace) -> int:
     from clients.client import Client
 
     async with Client(args.server, **_connection(args)) as client:
-        if args.action == "load":
-            versions = args.versions.split(",") if args.versions else ()
-            if any(not version.strip() for version in versions):
-                raise CliError(f"--versions {args.versions!r}: a version is empty")
-            try:
-                await client.load_model(args.name, latest=args.latest, versions=versions)
-            except grpc.aio.AioRpcError as exc:  # the server's own UNAVAILABLE: not "down"
-                if exc.details() and exc.details().startswith(LOAD_FAILED):
-                    raise CliError(
-                        f"the server could not load {args.name}: {exc.details()}"
-                    ) from None
-                raise
-        elif args.action == "unload":
-            await client.unload_model(args.name)
+        try:
+            if args.action == "load":
+                versions = args.versions.split(",") if args.versions else ()
+                if any(not version.strip() for version in versions):
+                    raise CliError(f"--versions {args.versions!r}: a version is empty")
+                await client.load_model(
+                    args.name, latest=args.latest, versions=versions, timeout=args.timeout
+                )
+            elif args.action == "unload":
+                await client.unload_model(args.name, timeout=args.timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise CliError(
+                    f"no answer within --timeout {args.timeout:g} s; the server goes on "
+                    f"with {args.action} {args.name}: `raystream models list` shows its state"
+                ) from None
+            if exc.details() and exc.details().startswith(LOAD_FAILED):  # not "down"
+                raise CliError(f"the server could not load {args.name}: {exc.details()}") from None
+            raise
         rows = await client.models()
     for name, version, state, reason in rows:
         print(f"{name:<28} {version:>8}  {state:<12} {reason}".rstrip())
@@ -535,6 +540,13 @@ def build_parser() -> argparse.ArgumentParser:
     policy = p.add_mutually_exclusive_group()
     policy.add_argument("--versions", help="load these versions, comma-separated: 1,2")
     policy.add_argument("--latest", type=count(), help="load the latest N versions")
+    p.add_argument(
+        "--timeout",
+        type=seconds,
+        default=None,
+        help="load, unload: stop waiting after this many seconds (the server goes on; "
+        "default: wait, up to the server's 600 s for a load)",
+    )
     p.add_argument("--server", default=DEFAULT_SERVER, help="host:port (default %(default)s)")
     _add_connection_options(p)
     p.set_defaults(func=cmd_models)

@@ -321,10 +321,16 @@ class Client:
         return [(m.name, m.version, m.state, m.reason) for m in index.models]
 
     async def load_model(
-        self, name: str, *, latest: int | None = None, versions: Iterable[str] = ()
+        self,
+        name: str,
+        *,
+        latest: int | None = None,
+        versions: Iterable[str] = (),
+        timeout: float | None = None,
     ) -> None:
         """Serve `name` at the versions of a policy (none: the server's), warmed before
-        they take traffic; its other versions are unloaded. Returns once they serve."""
+        they take traffic; its other versions are unloaded. Returns once they serve; past
+        `timeout` seconds it raises DEADLINE_EXCEEDED and the server goes on with it."""
         import json
 
         from raystream.oip import grpc_predict_v2_pb2 as oip
@@ -348,15 +354,19 @@ class Client:
         await self._repository().RepositoryModelLoad(
             oip.RepositoryModelLoadRequest(model_name=name, parameters=parameters),
             metadata=self._metadata,
+            timeout=timeout,
         )
 
-    async def unload_model(self, name: str) -> None:
+    async def unload_model(self, name: str, *, timeout: float | None = None) -> None:
         """Stop serving `name` ("name": every version; "name/version": that one) once the
-        requests in flight for it are answered."""
+        requests in flight for it are answered (past `timeout` seconds: DEADLINE_EXCEEDED,
+        and the server goes on with it)."""
         from raystream.oip import grpc_predict_v2_pb2 as oip
 
         await self._repository().RepositoryModelUnload(
-            oip.RepositoryModelUnloadRequest(model_name=name), metadata=self._metadata
+            oip.RepositoryModelUnloadRequest(model_name=name),
+            metadata=self._metadata,
+            timeout=timeout,
         )
 
     async def replica(self) -> str:

@@ -16,9 +16,10 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from engines.repository import LOAD_FAILED, list_models, list_versions, select_versions
 from serve_app.config import ModelEntry
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 ROUTES = "ingress-routes"  # the deployment name under which ingresses report their routes
 LOAD_TIMEOUT_S = 600.0  # GPU engines capture graphs for minutes
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -65,13 +67,15 @@ class ModelLifecycle:
             asyncio.Lock
         )
         self._task: asyncio.Task | None = None
+        self._work: set[asyncio.Task] = set()  # loads and unloads (their callers may leave)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._follow())
 
     def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, *self._work):
+            if task is not None:
+                task.cancel()
 
     # -- following the desired state --------------------------------------------------------
 
@@ -123,20 +127,25 @@ class ModelLifecycle:
         """Serve the versions of `name` its policy picks, warmed everywhere before they take
         traffic; then unload its other versions. Returns the versions served."""
         wanted = self.versions_for(name, latest, versions)
-        keys = [key_of(name, version) for version in wanted]
+        await self._to_the_end(self._load(name, [key_of(name, v) for v in wanted]))
+        return wanted
+
+    async def _load(self, name: str, keys: list[str]) -> None:
         async with self._locks[name]:
             await asyncio.to_thread(self._registry.set_state, keys, "serve")
             await self._until_routed(keys)
             desired = await asyncio.to_thread(self._registry.desired)
             others = [k for k in desired if split_key(k)[0] == name and k not in keys]
             await self._unload(others)
-        return wanted
 
     async def unload(self, name: str, version: str = "") -> list[str]:
         """Stop serving `name` (every version, or `version`), without failing a request in
         flight. Returns the versions unloaded."""
         if not version:
             name, version = parse_model_name(name)
+        return await self._to_the_end(self._unload_model(name, version))
+
+    async def _unload_model(self, name: str, version: str) -> list[str]:
         async with self._locks[name]:
             desired = await asyncio.to_thread(self._registry.desired)
             keys = [
@@ -149,6 +158,19 @@ class ModelLifecycle:
                 raise ModelNotFound(f"model {asked} is not loaded")
             await self._unload(keys)
         return [split_key(key)[1] for key in keys]
+
+    async def _to_the_end(self, work: Coroutine[object, object, T]) -> T:
+        """Runs `work` to its end even if the caller leaves first (a client's deadline or
+        cancel): a load cut short would serve the new versions beside the old ones."""
+        task = asyncio.create_task(work)
+        self._work.add(task)
+        task.add_done_callback(self._finished)
+        return await asyncio.shield(task)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._work.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # retrieved: no warning
+            logger.info("model load or unload ended: %s", task.exception())
 
     async def _until_routed(self, keys: list[str]) -> None:
         deadline = time.monotonic() + LOAD_TIMEOUT_S

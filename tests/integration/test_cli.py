@@ -298,3 +298,12 @@ def test_output_into_a_closed_pipe_ends_quietly(model_repository) -> None:
     stderr = process.communicate(timeout=60)[1].decode()
     assert process.returncode == 1, stderr
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+
+
+def test_a_load_past_its_timeout_says_the_server_goes_on(listener) -> None:
+    """`models load --timeout`: a load that outlasts it (here: a server that never
+    answers) ends the CLI with one line, not a gRPC error; the server would go on."""
+    address, _ = listener
+    result = _cli("models", "load", "m", "--timeout", "0.5", "--server", address, timeout=60)
+    line = _one_line(result)
+    assert "no answer within --timeout 0.5 s; the server goes on with load m" in line, line

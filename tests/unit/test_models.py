@@ -332,6 +332,24 @@ async def test_two_ingresses_unloading_at_once_both_take_effect(
         assert core.models == {}
 
 
+async def test_a_load_whose_client_leaves_still_runs_to_its_end(two_versions, versions) -> None:
+    """A client that cancels its load (or whose deadline passes) while the version warms up
+    leaves the same server as one that waited: the new version serves, the old is unloaded."""
+    old, new = versions
+    async with served(two_versions, [old]) as (core, life, _):
+        load = asyncio.create_task(life.load(MODEL, versions=(new,)))
+        await asyncio.sleep(0.05)
+        load.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await load
+        loaded = {(old, "UNAVAILABLE"), (new, "READY")}
+        deadline = time.monotonic() + 20
+        while {(e.version, e.state) for e in life.index()} != loaded:
+            assert time.monotonic() < deadline, life.index()
+            await asyncio.sleep(0.1)
+        assert sorted(core.models) == [f"{MODEL}/{new}"]
+
+
 async def test_a_load_that_never_becomes_ready_holds_up_no_other_model(
     two_versions, versions, model, tmp_path
 ) -> None:
