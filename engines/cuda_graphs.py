@@ -66,6 +66,15 @@ def wait_asleep(stream: torch.cuda.Stream) -> None:
     done.synchronize()
 
 
+def sample_input(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Random float32 input for warm-up passes and graph capture, from a generator of its
+    own. While any thread captures a graph, torch marks the default CUDA generator as
+    capturing, and an RNG call on it from another thread fails ("Offset increment outside
+    graph capture"): another engine's capture thread in the same process (a second model
+    version loading while the first captures its smaller buckets) would."""
+    return torch.randn(shape, device=device, generator=torch.Generator(device=device))
+
+
 @dataclass
 class CapturedGraph:
     graph: torch.cuda.CUDAGraph

@@ -24,7 +24,7 @@ import torch
 from engines.base import EngineError, EngineInfo
 from engines.buckets import buckets_up_to
 from engines.calibration import calibration_batches, calibration_images
-from engines.cuda_graphs import CapturedGraph, GraphEngine, Slot
+from engines.cuda_graphs import CapturedGraph, GraphEngine, Slot, sample_input
 from engines.engine_cache import EngineKey, files_digest, optimization_profile
 from engines.repository import OUTPUT_NAMES, ModelRef
 
@@ -212,7 +212,7 @@ class TensorRTEngine(GraphEngine):
         if ctx is None:
             ctx = self._contexts[id(slot)] = self._engine.create_execution_context()
         c, h, w = self.info.input_shape
-        static_in = torch.randn((bucket, c, h, w), device=self.device)
+        static_in = sample_input((bucket, c, h, w), self.device)
         # float32 outputs, as the ONNX model declares them (logits, then the embedding)
         outputs = tuple(
             torch.empty((bucket, width), device=self.device) for width in self.output_widths()

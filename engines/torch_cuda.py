@@ -21,6 +21,7 @@ from engines.cuda_graphs import (
     CapturedGraph,
     GraphEngine,
     Slot,
+    sample_input,
     sleep_in_every_gpu_wait,
     wait_asleep,
 )
@@ -138,7 +139,7 @@ class TorchCudaEngine(GraphEngine):
     def _random_input(self, bucket: int) -> torch.Tensor:
         c, h, w = self.info.input_shape
         return (
-            torch.randn((bucket, c, h, w), device=self.device)
+            sample_input((bucket, c, h, w), self.device)
             .to(self.dtype)
             .contiguous(memory_format=torch.channels_last)
         )

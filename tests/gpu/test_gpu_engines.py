@@ -92,6 +92,37 @@ def _batches(reference, count: int, size: int) -> list:
     return [reference.batch[rows] + 0.1 * i for i in range(count)]
 
 
+def test_warm_up_input_is_drawn_while_another_thread_captures_a_graph() -> None:
+    """A replica's engines capture graphs in background threads; another engine's warm-up
+    input (a second model version loading meanwhile) must not come from the default CUDA
+    generator, which torch marks as capturing for every thread while one captures."""
+    import threading
+
+    from engines.cuda_graphs import sample_input
+
+    device = torch.device("cuda:0")
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+    static = torch.zeros(4, device=device)
+    inside, release = threading.Event(), threading.Event()
+
+    def capture() -> None:
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            static.add_(1)
+            inside.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=capture)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        # torch.randn(4, device=device) fails here (torch 2.11): "Offset increment outside
+        # graph capture encountered unexpectedly"
+        assert sample_input((2, 3, 8, 8), device).shape == (2, 3, 8, 8)
+    finally:
+        release.set()
+        thread.join()
+
+
 def test_two_slots_running_at_once_keep_their_own_buffers(model, engine_reference) -> None:
     """Two batches on the two slots at once, over and over: each answer equals the one the
     same batch gets alone. The slots' graphs must not share intermediate buffers (one graph
