@@ -146,18 +146,24 @@ class ModelLifecycle:
         return await self._to_the_end(self._unload_model(name, version))
 
     async def _unload_model(self, name: str, version: str) -> list[str]:
+        await self._loaded_keys(name, version)  # first: no lock for a name a client made up
         async with self._locks[name]:
-            desired = await asyncio.to_thread(self._registry.desired)
-            keys = [
-                key
-                for key in desired
-                if split_key(key)[0] == name and version in ("", split_key(key)[1])
-            ]
-            if not keys:
-                asked = f"{clip(name)!r}" + (f" version {clip(version)!r}" if version else "")
-                raise ModelNotFound(f"model {asked} is not loaded")
+            keys = await self._loaded_keys(name, version)
             await self._unload(keys)
         return [split_key(key)[1] for key in keys]
+
+    async def _loaded_keys(self, name: str, version: str) -> list[str]:
+        """The versions of `name` being served or drained (`version`: that one only)."""
+        desired = await asyncio.to_thread(self._registry.desired)
+        keys = [
+            key
+            for key in desired
+            if split_key(key)[0] == name and version in ("", split_key(key)[1])
+        ]
+        if not keys:
+            asked = f"{clip(name)!r}" + (f" version {clip(version)!r}" if version else "")
+            raise ModelNotFound(f"model {asked} is not loaded")
+        return keys
 
     async def _to_the_end(self, work: Coroutine[object, object, T]) -> T:
         """Runs `work` to its end even if the caller leaves first (a client's deadline or
