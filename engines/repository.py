@@ -178,8 +178,10 @@ def select_versions(
     """The versions of `name` a version policy picks: those listed (each must exist), or the
     `latest` N in the repository (default 1), lowest first."""
     have = list_versions(root, name)
-    if not have:
-        resolve(root, name)  # raises, naming what the repository holds
+    if not have:  # what clients read (a load's NOT_FOUND): no path of the server's
+        raise ModelNotFoundError(
+            f"model {name!r} is not in the model repository (has: {list_models(root) or 'nothing'})"
+        )
     if latest is not None and latest < 1:
         raise ValueError(f"a version policy's latest must be 1 or more, got {latest}")
     if versions:

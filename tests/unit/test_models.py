@@ -255,6 +255,9 @@ async def test_unload_and_load_refuse_malformed_names_and_policies(two_versions,
         for latest in (0, -9):
             with pytest.raises(InvalidArgument, match="latest must be 1 or more"):
                 await life.load(MODEL, latest=latest)
+        with pytest.raises(ModelNotFound, match="not in the model repository") as missing:
+            await life.load("resnet")
+        assert str(two_versions) not in str(missing.value)  # no server path to clients
         assert sorted(core.models) == [f"{MODEL}/{old}", f"{MODEL}/{new}"]
 
 
