@@ -23,7 +23,7 @@ A call carries at most `max_images` images past its first request (0: no bound),
 more is queued than a call takes (a backlog) it takes the flows' (streams') oldest requests
 in turn, not the oldest requests: a client that queued thousands of requests on some
 streams does not hold another stream's request for calls on end, nor make it wait for a
-huge call's end. (Spread calls, cut from a queue that one call would take, are not bound.)
+huge call's end. A queue that spread calls could carry only past that bound is not spread.
 
 Callbacks, not a future per request: each call answers its requests when it returns, and the
 ingress does no work per request beyond queueing it.
@@ -141,7 +141,6 @@ class Dispatcher(Generic[P]):
         calls = min(free, total // self._spread_images, len(live))
         if calls < 2:
             return []
-        self._queue.clear()
         share = total // calls
         groups: list[list[P]] = [[]]
         placed = own = 0  # images in the groups so far, and in the last one
@@ -154,6 +153,11 @@ class Dispatcher(Generic[P]):
             placed, own = placed + images, own + images
         if len(groups) > 1 and own < self._spread_images:  # lumpy items: the last one short
             groups[-2].extend(groups.pop())
+        if self._max_images and any(
+            sum(map(self._images, group[1:])) > self._max_images for group in groups
+        ):
+            return []  # calls past the bound: _take's bounded calls instead
+        self._queue.clear()
         return groups
 
     def _take(self) -> list[P]:

@@ -218,7 +218,7 @@ async def test_a_full_call_goes_at_once_while_gathering(monkeypatch) -> None:
         gate.set()
 
 
-def _spreading(calls: Calls, spread_images: int, max_calls: int = 4):
+def _spreading(calls: Calls, spread_images: int, max_calls: int = 4, max_images: int = 0):
     from serve_app.dispatch import Dispatcher
 
     return Dispatcher(
@@ -229,6 +229,7 @@ def _spreading(calls: Calls, spread_images: int, max_calls: int = 4):
         spill_after_s=60,
         spread_images=spread_images,
         images=lambda item: item.images,
+        max_images=max_images,
     )
 
 
@@ -302,3 +303,17 @@ async def test_no_spread_without_free_slots(monkeypatch) -> None:
     dispatcher = _spreading(calls, spread_images=8, max_calls=2)
     sent = await _gathered_burst(dispatcher, calls, monkeypatch, [8] * 6)
     assert sent == [["a"], [f"i{n}" for n in range(6)]]
+
+
+async def test_spread_calls_keep_to_max_images(monkeypatch) -> None:
+    """Spread calls are bounded like any other call: a burst that spread calls could carry
+    only past max_images (calls of four 4-image items, 12 images past the first, with a
+    bound of 4) goes in bounded calls instead; within the bound it is spread as before."""
+    calls = Calls()
+    dispatcher = _spreading(calls, spread_images=8, max_images=8)
+    sent = await _gathered_burst(dispatcher, calls, monkeypatch, [8] * 6)
+    assert sent == [["a"], ["i0", "i1"], ["i2", "i3"], ["i4", "i5"]]
+    calls = Calls()
+    dispatcher = _spreading(calls, spread_images=8, max_images=4)
+    await _gathered_burst(dispatcher, calls, monkeypatch, [4] * 12)
+    assert max(len(call) for call in calls.sent) == 2, calls.sent  # 4 images past the first
