@@ -127,7 +127,8 @@ class ServingCore:
                 gather_s=self._config.max_call_wait_s,
                 spread_images=self._config.spread_min_images,
                 images=lambda item: item.job.count if item.job else 0,
-                flow=lambda item: item.stream,
+                # the stream or connection it came on (a cached request's Part has its job)
+                flow=lambda item: item.job.flow if item.job else "",
                 max_images=self._config.max_images_per_call,
             )
         return self._dispatchers[key]

@@ -49,11 +49,18 @@ async def group(model_repository) -> StageGroup:
     return await StageGroup.create(config, STAGES)
 
 
-def _core(group: StageGroup, model_repository, enabled: bool, max_bytes: int = 1 << 20):
+def _core(
+    group: StageGroup,
+    model_repository,
+    enabled: bool,
+    max_bytes: int = 1 << 20,
+    **config_args: object,
+):
     config = AppConfig(
         model_repository=model_repository,
         max_calls_in_flight=1,
         cache={"enabled": enabled, "max_bytes": max_bytes},
+        **config_args,
     )
     stages = Stages(group)
     return ServingCore(config, group.info(), stages), stages
@@ -165,6 +172,27 @@ async def test_v1_answers_from_the_cache_are_the_stages_answers(cached, uncached
         again = await _submit(core, _v1(core, rocket, cat, **asked))
         assert stages.calls[calls:] == [[2]]
         assert _results(again) == _results(await _submit(plain, _v1(plain, rocket, cat, **asked)))
+    assert core.requests_in_flight == 0
+
+
+async def test_the_cache_under_a_call_bound_takes_streams_in_turn(group, model_repository, photos):
+    """With max_images_per_call (the CPU default sets 128), the dispatcher takes queued
+    requests stream by stream; under the cache what it queues are the requests' misses,
+    which carry their request's stream too. A backlog of misses from two streams: every
+    request answered."""
+    core, _ = _core(group, model_repository, enabled=True, max_images_per_call=2)
+    key = next(iter(core.models))
+    loop = asyncio.get_running_loop()
+    answers = []
+    for n in range(12):
+        answer = loop.create_future()
+        job = Job(id=f"r{n}", images=(photos["chelsea"] + b"%d" % n,), model=key,
+                  flow=f"stream-{n % 2}")  # fmt: skip
+        core.submit(job, answer.set_result, f"stream-{n % 2}", None)
+        answers.append(answer)
+    async with asyncio.timeout(30):
+        done = await asyncio.gather(*answers)
+    assert [a.code for a in done] == [0] * 12
     assert core.requests_in_flight == 0
 
 
