@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 
 from engines.images import InvalidImage
 from serve_app.errors import DeadlineExceeded
+
+logger = logging.getLogger(__name__)
 
 # Decoding ~4 megapixels costs about 0.1 s of one core (a 16-bit PNG: 30 ns a pixel).
 HEAVY_PIXELS = 4_000_000
@@ -174,8 +177,8 @@ class DecodePool:
         if not holds_slot:  # first turn: read the header, charge the budget, maybe defer
             try:
                 cost = self._cost(data)
-            except InvalidImage as exc:
-                return self._done(job, exc)
+            except Exception as exc:  # see _decode_one
+                return self._done(job, _image_failure(exc))
             with self._ready:
                 if cost > request.pixels_left:
                     result = InvalidImage(
@@ -199,10 +202,12 @@ class DecodePool:
         return self._decode_one(job)
 
     def _decode_one(self, job: _Job) -> None:
+        # Whatever a decoder raises fails that image alone: an exception out of this thread
+        # would end it and leave the request waiting for an answer for good.
         try:
             result = self._decode(job.request.images[job.index])
-        except InvalidImage as exc:
-            result = exc
+        except Exception as exc:
+            result = _image_failure(exc)
         self._done(job, result)
 
     def _done(self, job: _Job, result: object, locked: bool = False) -> None:
@@ -219,6 +224,15 @@ class DecodePool:
                 self._ready.release()
         if last:
             request.loop.call_soon_threadsafe(_resolve, request)
+
+
+def _image_failure(exc: Exception) -> InvalidImage:
+    """An image's failure: its InvalidImage, or one for what the decoder raised unexpectedly
+    (a PIL plugin's struct.error, a MemoryError: logged, as it may be a bug)."""
+    if isinstance(exc, InvalidImage):
+        return exc
+    logger.warning("decoding an image raised %s", type(exc).__name__, exc_info=exc)
+    return InvalidImage(f"cannot decode this image: {type(exc).__name__}: {exc}")
 
 
 def _resolve(request: _Request) -> None:

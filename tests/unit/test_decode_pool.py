@@ -99,3 +99,31 @@ async def test_a_cancelled_request_skips_its_remaining_images() -> None:
     images.gates[b"next"].set()
     assert await asyncio.wait_for(pool.run([b"next"], flow="b"), 5) == ["NEXT"]
     assert images.started == [b"a0", b"next"]
+
+
+async def test_an_unexpected_decoder_error_fails_that_image_alone() -> None:
+    """A decoder may raise more than InvalidImage (a PIL plugin's struct.error, a
+    MemoryError): the image fails, its request is answered, and the pool's one thread
+    decodes the next request."""
+    import struct
+
+    images = Images({b"x": 10, b"odd": 10, b"odd-header": 10, b"next": 10})
+    for gate in images.gates.values():
+        gate.set()
+
+    def cost(data: bytes) -> int:
+        if data == b"odd-header":
+            raise IndexError("tuple index out of range")
+        return images.cost(data)
+
+    def decode(data: bytes) -> str:
+        if data == b"odd":
+            raise struct.error("unpack requires a buffer of 4 bytes")
+        return images.decode(data)
+
+    pool = DecodePool(1, cost, decode, max_request_pixels=10**9)
+    results = await asyncio.wait_for(pool.run([b"x", b"odd", b"odd-header"], flow="a"), 5)
+    assert results[0] == "X"
+    assert isinstance(results[1], InvalidImage) and "unpack requires" in str(results[1])
+    assert isinstance(results[2], InvalidImage) and "IndexError" in str(results[2])
+    assert await asyncio.wait_for(pool.run([b"next"], flow="b"), 5) == ["NEXT"]
