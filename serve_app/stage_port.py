@@ -148,20 +148,27 @@ class PortCalls:
             self.by_handle += 1
             return await self._fallback(batch)
         self._in_flight[address] += 1
+        channel = self._channels[address]
         try:
             ok, value = await self._call(address, batch)
-        except grpc.aio.AioRpcError as exc:
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            if isinstance(exc, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                raise  # this call itself was cancelled, not its RPC
+            # An RPC cancelled under a live caller: its channel closed (the address dropped
+            # while it ran past CLOSE_GRACE_S). Either way the call goes by handle.
+            reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "cancelled"
             logger.warning(
                 "the stage port %s failed (%s); this call goes by handle and the address is "
                 "dropped until the replica reports it again",
                 address,
-                exc.code().name,
+                reason,
             )
-            self._drop(address)
+            if self._channels.get(address) is channel:
+                self._drop(address)
             self.by_handle += 1
             return await self._fallback(batch)
         finally:
-            if address in self._in_flight:
+            if self._channels.get(address) is channel:  # not a channel opened since
                 self._in_flight[address] -= 1
         if not ok:
             raise value

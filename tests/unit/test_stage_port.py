@@ -255,3 +255,32 @@ async def test_images_travel_in_the_call_to_another_node_or_where_they_cannot_be
     assert _segments() <= before  # the segment it could not map is gone
     await calls.close()
     await port.stop(0)
+
+
+async def test_a_call_cut_off_by_its_closing_channel_goes_by_handle(monkeypatch) -> None:
+    """An address dropped while a call runs closes its channel after a grace; a call still
+    running then is cancelled by gRPC. It goes by handle (not a CancelledError that leaves
+    its requests unanswered), and the address, reported again, starts from no calls."""
+    import serve_app.stage_port as stage_port
+
+    class SlowStage(Stage):
+        async def run(self, batch: Batch) -> list[str]:
+            await asyncio.sleep(1.0)
+            return await super().run(batch)
+
+    monkeypatch.setattr(stage_port, "CLOSE_GRACE_S", 0.05)
+    registry = ModelRegistry(MemoryStore(), "app")
+    port = StagePort(SlowStage("r1").run, TOKEN)
+    registry.report("Inference", "r1", [], address=await port.start("127.0.0.1"))
+    fallback = Fallback()
+    calls = PortCalls(registry, "Inference", fallback, TOKEN)
+    calls.stop()  # the test says which addresses it has
+    calls.update(registry.ports("Inference"))
+    running = asyncio.create_task(calls.run(_batch()))
+    await asyncio.sleep(0.2)
+    calls.update({})  # the replica's report went stale: the address is dropped
+    calls.update(registry.ports("Inference"))  # ... and reported again
+    assert await asyncio.wait_for(running, 5) == ["handle", "a"]
+    assert calls._in_flight == {next(iter(registry.ports("Inference"))): 0}
+    await calls.close()
+    await port.stop(0)
