@@ -237,7 +237,7 @@ class StageGroup:
         initial = initial_versions(config)
         wanted = initial if registry is None else list(registry.start(initial))
         await group._sync(wanted)
-        group._follow_task = None
+        group._follow_task = group._sync_task = None
         if registry is not None:
             group._report()
             group._follow_task = asyncio.create_task(group._follow())
@@ -276,16 +276,34 @@ class StageGroup:
 
     def stop(self) -> None:
         """Stop following the registry (tests; a replica follows until it stops)."""
-        if self._follow_task is not None:
-            self._follow_task.cancel()
+        for task in (self._follow_task, self._sync_task):
+            if task is not None:
+                task.cancel()
 
     async def _follow(self) -> None:
+        """Every POLL_S: report what this replica holds, and start syncing with the desired
+        state unless a sync (a version loading: seconds, minutes on a GPU) still runs. The
+        reports go on meanwhile, or the replica would read as gone (FRESH_S) while it loads:
+        loads would route past it and callers drop its port."""
         while True:
             try:
-                desired = await asyncio.to_thread(self._registry.desired)
-                await self._sync(list(desired))
-                await asyncio.to_thread(self._report)
+                if self._sync_task is None or self._sync_task.done():
+                    if self._sync_task is not None:
+                        self._sync_task.result()  # a failed sync: logged below
+                    desired = await asyncio.to_thread(self._registry.desired)
+                    self._sync_task = asyncio.create_task(self._sync(list(desired)))
+                    await asyncio.sleep(0)  # a sync with nothing to load ends at once
+                holds, failed = list(self.models), dict(self.failed)  # as of now, this thread
+                await asyncio.to_thread(
+                    self._registry.report,
+                    self._deployment,
+                    self._replica,
+                    holds,
+                    failed,
+                    self._address,
+                )
             except Exception:  # a bug or a GCS hiccup must not stop following for good
+                self._sync_task = None
                 logger.exception("following the model registry failed")
             await asyncio.sleep(POLL_S)
 

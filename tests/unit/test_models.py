@@ -353,6 +353,40 @@ async def test_a_load_whose_client_leaves_still_runs_to_its_end(two_versions, ve
         assert sorted(core.models) == [f"{MODEL}/{new}"]
 
 
+async def test_a_replica_loading_a_version_still_reports_what_it_holds(
+    two_versions, versions, monkeypatch
+) -> None:
+    """A version loads for seconds (minutes with CUDA graphs); meanwhile the replica goes on
+    reporting, holding the others and not yet this one. Silent past FRESH_S it read as gone:
+    a load would route past it, and callers would drop its port."""
+    import serve_app.registry as registry_module
+    from serve_app.topology import ModelStages
+
+    old, new = versions
+    monkeypatch.setattr(registry_module, "FRESH_S", 0.5)
+    release = asyncio.Event()
+    create = ModelStages.create
+
+    async def slow_create(config, stages, model, preprocess):
+        if model.spec.version == new:
+            await release.wait()
+        return await create(config, stages, model, preprocess)
+
+    monkeypatch.setattr(ModelStages, "create", slow_create)
+    store = MemoryStore()
+    async with served(two_versions, [old], store) as (_, life, group):
+        registry = ModelRegistry(store, "test")
+        load = asyncio.create_task(life.load(MODEL, versions=(old, new)))
+        await asyncio.sleep(1.5)  # three times FRESH_S into the load
+        (report,) = registry.reports("Ingress")
+        assert report.holds == {f"{MODEL}/{old}"}
+        assert registry.held_everywhere(["Ingress"]) == {f"{MODEL}/{old}"}
+        assert not load.done()
+        release.set()
+        assert await asyncio.wait_for(load, 30) == [old, new]
+        assert sorted(group.models) == [f"{MODEL}/{old}", f"{MODEL}/{new}"]
+
+
 async def test_a_load_that_never_becomes_ready_holds_up_no_other_model(
     two_versions, versions, model, tmp_path
 ) -> None:
