@@ -179,15 +179,19 @@ class ModelLifecycle:
             logger.info("model load or unload ended: %s", task.exception())
 
     async def _until_routed(self, keys: list[str]) -> None:
+        """Waits until this ingress routes every key. A load that fails on some replica, or
+        is not ready everywhere in LOAD_TIMEOUT_S, is withdrawn (its keys not routed yet are
+        no longer wanted), so it never serves later beside the versions it was to replace."""
         deadline = time.monotonic() + LOAD_TIMEOUT_S
         while not all(key in self._core.models for key in keys):
             failed = await asyncio.to_thread(self._registry.failures, self._stages)
             errors = {key: failed[key] for key in keys if key in failed}
-            if errors:
-                failed_here = [key for key in errors if key not in self._core.models]
-                await asyncio.to_thread(self._registry.remove, failed_here, "serve")
-                raise Unavailable(f"{LOAD_FAILED}: {errors}")
-            if time.monotonic() > deadline:
+            late = time.monotonic() > deadline
+            if errors or late:
+                unready = [key for key in keys if key not in self._core.models]
+                await asyncio.to_thread(self._registry.remove, unready, "serve")
+                if errors:
+                    raise Unavailable(f"{LOAD_FAILED}: {errors}")
                 raise DeadlineExceeded(f"{keys} not ready on every replica in {LOAD_TIMEOUT_S} s")
             await asyncio.sleep(POLL_S)
 
@@ -197,16 +201,23 @@ class ModelLifecycle:
             return
         await asyncio.to_thread(self._registry.set_state, keys, "drain")
         deadline = time.monotonic() + self._drain_timeout_s + 2 * POLL_S
-        while True:
-            await self.follow_once()  # this ingress stops routing them at once
-            await asyncio.sleep(POLL_S)
-            busy = await asyncio.to_thread(self._registry.held_anywhere, ROUTES)
-            if not busy.intersection(keys):
-                break
-            if time.monotonic() > deadline:
-                logger.warning("unloading %s with requests still in flight", keys)
-                break
-        await asyncio.to_thread(self._registry.remove, keys, "drain")
+        try:  # whatever happens meanwhile, the versions go: none stays draining for good
+            while True:
+                try:
+                    await self.follow_once()  # this ingress stops routing them at once
+                    await asyncio.sleep(POLL_S)
+                    busy = await asyncio.to_thread(self._registry.held_anywhere, ROUTES)
+                except Exception:  # a GCS hiccup: look again until the deadline
+                    logger.exception("following the drain of %s failed", keys)
+                    await asyncio.sleep(POLL_S)
+                    busy = set(keys)
+                if not busy.intersection(keys):
+                    break
+                if time.monotonic() > deadline:
+                    logger.warning("unloading %s with requests still in flight", keys)
+                    break
+        finally:
+            await asyncio.to_thread(self._registry.remove, keys, "drain")
         logger.info("unloaded %s", keys)
 
     # -- the repository index -------------------------------------------------------------------

@@ -387,6 +387,35 @@ async def test_a_replica_loading_a_version_still_reports_what_it_holds(
         assert sorted(group.models) == [f"{MODEL}/{old}", f"{MODEL}/{new}"]
 
 
+async def test_a_load_past_its_timeout_is_withdrawn(two_versions, versions, monkeypatch) -> None:
+    """A load not ready everywhere in LOAD_TIMEOUT_S fails and is no longer wanted: the
+    replicas that had not loaded it never serve it later beside the versions it was to
+    replace (its unload step never ran)."""
+    import serve_app.lifecycle as lifecycle
+    from serve_app.errors import DeadlineExceeded
+
+    old, new = versions
+    monkeypatch.setattr(lifecycle, "LOAD_TIMEOUT_S", 1.0)
+    store = MemoryStore()
+    async with served(two_versions, [old], store) as (core, life, _):
+        registry = ModelRegistry(store, "test")
+
+        async def stuck_replica() -> None:  # alive, never loads the new version
+            while True:
+                registry.report("Ingress", "r-stuck", [f"{MODEL}/{old}"])
+                await asyncio.sleep(0.1)
+
+        stuck = asyncio.create_task(stuck_replica())
+        try:
+            with pytest.raises(DeadlineExceeded):
+                await life.load(MODEL, versions=(new,))
+            assert registry.desired() == {f"{MODEL}/{old}": "serve"}
+            await asyncio.sleep(1.0)
+            assert sorted(core.models) == [f"{MODEL}/{old}"]
+        finally:
+            stuck.cancel()
+
+
 async def test_a_load_that_never_becomes_ready_holds_up_no_other_model(
     two_versions, versions, model, tmp_path
 ) -> None:
