@@ -124,6 +124,10 @@ def _outputs(request: oip.ModelInferRequest, embedding_dim: int) -> tuple[OipOut
             if ("classification" in output.parameters)
             else 0
         )
+        if k < 0:
+            raise InvalidArgument(
+                f"output {clip(output.name)!r}: classification must be 1 or more, got {k}"
+            )
         if output.name == SCORES and not k:
             outputs.append(OipOutput(SCORES, "probabilities"))
         elif output.name == LABELS or k:

@@ -73,6 +73,11 @@ async def test_errors_follow_the_protocol(server, photos) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.ModelInfer(wrong)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        # a negative k named no labels and declared a tensor of shape [N, -3]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ModelInfer(_request([photos["coffee"]], outputs=[("labels", -3)]))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "classification must be 1 or more" in err.value.details()
         # The stream answers each request, the bad one with its error, and goes on.
         replies = [
             r
