@@ -139,7 +139,7 @@ class GraphEngine(Engine):
     def _start_slots(self, slots: int, plan_by_latency: bool, background: bool = False) -> None:
         """Capture the largest bucket in every slot, then the others: here, or with
         `background` in a thread (`captured` is set when every bucket is in)."""
-        self._scale = self._shift = None  # uint8 normalization constants, made when needed
+        self._normalize: tuple[torch.Tensor, torch.Tensor] | None = None  # uint8 scale, shift
         self._plan_by_latency = plan_by_latency
         self.replay_ms: dict[int, float] = {}  # each captured bucket's median replay
         self.captured = threading.Event()
@@ -281,9 +281,11 @@ class GraphEngine(Engine):
             if on_device:
                 raise ValueError(f"crops must be (1..{self.info.max_batch_size}, {h}, {w}, {c})")
             return super().infer_uint8(images, mean, std)  # the base class's checks and errors
-        if self._scale is None:
-            self._scale = torch.tensor(1.0 / (255.0 * std), device=self.device).view(1, -1, 1, 1)
-            self._shift = torch.tensor(mean / std, device=self.device).view(1, -1, 1, 1)
+        if self._normalize is None:  # both at once: another serving thread may read them
+            scale = torch.tensor(1.0 / (255.0 * std), device=self.device).view(1, -1, 1, 1)
+            shift = torch.tensor(mean / std, device=self.device).view(1, -1, 1, 1)
+            self._normalize = scale, shift
+        scale, shift = self._normalize
         with self._slot() as slot:
             if not on_device:
                 slot.host_u8[:n].numpy()[...] = images
@@ -295,7 +297,7 @@ class GraphEngine(Engine):
                     pixels = slot.device_u8[lo:hi]
                     pixels.copy_(slot.host_u8[lo:hi], non_blocking=True)
                 graph.input[:count].copy_(
-                    pixels.permute(0, 3, 1, 2).float().mul_(self._scale).sub_(self._shift)
+                    pixels.permute(0, 3, 1, 2).float().mul_(scale).sub_(shift)
                 )
 
             return self._run(slot, n, fill)
