@@ -50,7 +50,7 @@ from serve_app.lifecycle import ModelLifecycle
 from serve_app.messages import Answer, Job, OipOutput, Served
 from serve_app.pixels import client_pixels
 from serve_app.registry import parse_model_name
-from serve_app.streams import StreamRunner, start_task
+from serve_app.streams import StreamRunner, TaskStarter
 from serve_app.v1 import budget_s, unary_handler
 
 SERVICE = "inference.GRPCInferenceService"
@@ -252,8 +252,12 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
                 infer_response=oip.ModelInferResponse.FromString(result.payload)
             )
 
-        async for response in self._streams.run(request_iterator, start_task(answer), size=len):
-            yield response
+        start = TaskStarter(answer)
+        try:
+            async for response in self._streams.run(request_iterator, start, size=len):
+                yield response
+        finally:  # the stream ended (or the client left): what still runs is abandoned
+            start.cancel()
         if self._streams.draining:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,

@@ -123,21 +123,26 @@ class StreamRunner:
             reader.cancel()
 
 
-def start_task(
-    answer: Callable[[Request], Awaitable[Answer]],
-) -> Callable[[Request, Callable[[Answer], None]], None]:
-    """A `start` for StreamRunner.run from a coroutine function (the slower protocols)."""
-    tasks: set[asyncio.Task] = set()
+class TaskStarter:
+    """A `start` for StreamRunner.run from a coroutine function (the slower protocols): a
+    task per request. `cancel()` once the stream has ended: its requests still running are
+    abandoned (their work skipped, their in-flight slots given back), as v1's stream does."""
 
-    def start(request: Request, reply: Callable[[Answer], None]) -> None:
-        task = asyncio.ensure_future(answer(request))
-        tasks.add(task)
+    def __init__(self, answer: Callable[[Request], Awaitable[Answer]]) -> None:
+        self._answer = answer
+        self._tasks: set[asyncio.Task] = set()
+
+    def __call__(self, request: Request, reply: Callable[[Answer], None]) -> None:
+        task = asyncio.ensure_future(self._answer(request))
+        self._tasks.add(task)
 
         def done(task: asyncio.Task) -> None:
-            tasks.discard(task)
+            self._tasks.discard(task)
             if not task.cancelled():
                 reply(task.result() if task.exception() is None else _Failed(task.exception()))
 
         task.add_done_callback(done)
 
-    return start
+    def cancel(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()

@@ -1,5 +1,5 @@
 """The stream runner shared by both protocols (serve_app/streams.py), without gRPC: answers
-made by coroutines (start_task), as the Open Inference Protocol's stream makes them."""
+made by coroutines (TaskStarter), as the Open Inference Protocol's stream makes them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from serve_app.streams import StreamRunner, start_task
+from serve_app.streams import StreamRunner, TaskStarter
 
 
 async def _requests(*items):
@@ -16,7 +16,7 @@ async def _requests(*items):
 
 
 async def _collect(runner: StreamRunner, requests, answer, **kwargs) -> list:
-    return [a async for a in runner.run(requests, start_task(answer), **kwargs)]
+    return [a async for a in runner.run(requests, TaskStarter(answer), **kwargs)]
 
 
 async def test_answers_run_concurrently_and_come_in_completion_order() -> None:
@@ -97,7 +97,7 @@ async def test_a_request_holds_its_slot_until_its_answer_is_taken() -> None:
         return request
 
     runner = StreamRunner(max_in_flight=4)
-    stream = runner.run(requests(), start_task(answer))
+    stream = runner.run(requests(), TaskStarter(answer))
     # The consumer takes one answer, then stops (gRPC asks for the next answer only once it
     # has sent this one, which waits while the client's flow-control window is full).
     first = await anext(stream)
@@ -128,3 +128,32 @@ async def test_the_byte_budget_holds_back_reading() -> None:
     assert read == 3  # 1,200 bytes: the third request crossed the budget, reading paused
     release.set()
     assert await asyncio.wait_for(task, 5) == [400] * 100
+
+
+async def test_a_task_starter_abandons_what_still_runs_when_its_stream_ends() -> None:
+    """OIP's stream ends (the client left): its requests still running are cancelled, so
+    the core abandons them (work skipped, in-flight slots given back), as v1's stream does."""
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def requests():
+        yield 1
+
+    async def answer(request: int) -> int:
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return request
+
+    start = TaskStarter(answer)
+    stream = StreamRunner(max_in_flight=4).run(requests(), start)
+    waiting = asyncio.ensure_future(anext(stream))
+    await asyncio.wait_for(started.wait(), 5)
+    waiting.cancel()  # the client went away while the request ran
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await stream.aclose()
+    start.cancel()  # what ModelStreamInfer does once its stream has ended
+    await asyncio.wait_for(cancelled.wait(), 5)
