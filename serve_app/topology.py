@@ -239,7 +239,7 @@ class StageGroup:
         await group._sync(wanted)
         group._follow_task = group._sync_task = None
         if registry is not None:
-            group._report()
+            await group._report()
             group._follow_task = asyncio.create_task(group._follow())
         return group
 
@@ -269,9 +269,12 @@ class StageGroup:
         for key in [key for key in self.failed if key not in wanted]:
             del self.failed[key]  # asked again later: tried again
 
-    def _report(self) -> None:
-        self._registry.report(
-            self._deployment, self._replica, self.models, self.failed, self._address
+    async def _report(self) -> None:
+        """What this replica holds and failed to load, as of now (read on the event loop,
+        which loads change), written to the registry from a thread."""
+        holds, failed = list(self.models), dict(self.failed)
+        await asyncio.to_thread(
+            self._registry.report, self._deployment, self._replica, holds, failed, self._address
         )
 
     def stop(self) -> None:
@@ -293,15 +296,7 @@ class StageGroup:
                     desired = await asyncio.to_thread(self._registry.desired)
                     self._sync_task = asyncio.create_task(self._sync(list(desired)))
                     await asyncio.sleep(0)  # a sync with nothing to load ends at once
-                holds, failed = list(self.models), dict(self.failed)  # as of now, this thread
-                await asyncio.to_thread(
-                    self._registry.report,
-                    self._deployment,
-                    self._replica,
-                    holds,
-                    failed,
-                    self._address,
-                )
+                await self._report()
             except Exception:  # a bug or a GCS hiccup must not stop following for good
                 self._sync_task = None
                 logger.exception("following the model registry failed")
