@@ -140,9 +140,12 @@ class AppConfig(_Strict):
     # direct (the ingress replica runs all three), or groups written out, such as
     # [[preprocess, inference], [postprocess]].
     topology: Literal["chained", "fused", "direct"] | tuple[tuple[Stage, ...], ...] = "chained"
-    # cpu: PIL decodes every image. gpu: JPEGs are decoded by nvJPEG in the inference replica
-    # (needs torchvision and a GPU there); the CPU stage only checks headers.
+    # cpu: PIL decodes every image. gpu: JPEGs are decoded by nvJPEG (needs torchvision and a
+    # GPU there) in the inference replica where preprocess runs in it, else in the Preprocess
+    # replica, whose crops reach Inference on the same GPU by CUDA IPC; PIL takes the rest.
     decode: Literal["cpu", "gpu"] = "cpu"
+    # With decode: gpu, the most JPEGs in one nvJPEG call (0: a piece's all, up to 64).
+    nvjpeg_chunk: int = Field(0, ge=0, le=64)
     # With decode: gpu, nvJPEG's full calls (64 JPEGs) use its GPU_HYBRID backend (Huffman
     # decoding in CUDA kernels, a tenth of the CPU) instead of the JPEG hardware decoder,
     # whose thread polls the hardware all call long (engines/nvjpeg.py); smaller calls, which

@@ -33,6 +33,7 @@ from serve_app.config import AppConfig, BatchingConfig
 from serve_app.errors import Code, code_for, message_for
 from serve_app.messages import NO_OWNERS, Batch, Failure, Job, StageTiming
 from serve_app.metrics import InferenceMetrics
+from serve_app.nvjpeg_queue import DECODE_BATCH, NvjpegQueue
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -41,12 +42,6 @@ R = TypeVar("R")
 # max_concurrent_batches): GPU engines hold this many slots (engines/cuda_graphs.py), and
 # ONNX Runtime splits the cores between them (engine_options).
 MAX_CONCURRENT_BATCHES = 2
-# decode: gpu: JPEGs per nvJPEG call. One decode thread takes everything queued (calls from
-# every ingress replica) up to this: torchvision decodes under a process-wide lock anyway,
-# and on an H200 a call of 64 costs 0.12 ms of CPU an image where calls of 8 from four
-# threads cost 0.40 (bench/gpu_decode_bench.py). A call's JPEGs go in pieces of this size,
-# each scored once decoded, so a large call's engine batches start while the rest decodes.
-DECODE_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -108,15 +103,19 @@ def _kind(pixels) -> str:
 
 
 class InferenceStage:
-    """Owns one engine; `run(batch)` scores every image of every live job in the batch."""
+    """Owns one engine; `run(batch)` scores every image of every live job in the batch.
+    `decodes`: the JPEGs the preprocess stage left encoded are decoded here (decode: gpu with
+    Preprocess fused into this deployment)."""
 
     @classmethod
-    async def create(cls, config: AppConfig, model: ModelRef) -> InferenceStage:
+    async def create(
+        cls, config: AppConfig, model: ModelRef, decodes: bool = False
+    ) -> InferenceStage:
         stage = cls.__new__(cls)
-        await stage._start(config, model)
+        await stage._start(config, model, decodes)
         return stage
 
-    async def _start(self, config: AppConfig, model: ModelRef) -> None:
+    async def _start(self, config: AppConfig, model: ModelRef, decodes: bool) -> None:
         self._spec = model.spec
         self._mean = model.spec.preprocess.mean_array
         self._std = model.spec.preprocess.std_array
@@ -144,27 +143,10 @@ class InferenceStage:
             )
             for kind in ("uint8", "float32", "device")
         }
-        self._gpu_decoder = None
-        if config.decode == "gpu":
-            from engines.gpu_decode import GpuJpegDecoder
-            from serve_app.preprocess import decode_limits
-
-            hybrid = None
-            if config.gpu_hybrid_decode:
-                from engines.nvjpeg import HybridJpegDecoder
-
-                hybrid = HybridJpegDecoder()
-            self._gpu_decoder = GpuJpegDecoder(
-                model.spec.preprocess,
-                decode_limits(config),
-                hybrid_decode=hybrid,
-                hybrid_min_jpegs=DECODE_BATCH,
-            )
-            self._decode_executor = ThreadPoolExecutor(1, thread_name_prefix="nvjpeg")
-            self._decoding = DynamicBatcher(
-                self._decode_many, len, max_batch_size=DECODE_BATCH, max_queued=1 << 30
-            )
-            self._crops_on_device = not cpu
+        # crops decoded on the GPU (here, or in a Preprocess replica) stay there for the engine
+        self._crops_on_device = not cpu
+        self._nvjpeg = NvjpegQueue(config, model.spec.preprocess) if decodes else None
+        if self._nvjpeg is not None:
             await self._warm_decoder()
         self.reconfigure(BatchingConfig().model_dump())
         logger.info("engine ready: %s", self._engine.info)
@@ -172,11 +154,10 @@ class InferenceStage:
     async def close(self) -> None:
         """Release the engine (unload): after the batches already handed to its threads.
         The batchers' workers stop, and with decode: gpu the decode thread."""
-        batchers = list(self._batchers.values())
-        if self._gpu_decoder is not None:
-            batchers.append(self._decoding)
-            self._decode_executor.shutdown(wait=False)
-        await asyncio.gather(*(batcher.close() for batcher in batchers))
+        closing = [batcher.close() for batcher in self._batchers.values()]
+        if self._nvjpeg is not None:
+            closing.append(self._nvjpeg.close())
+        await asyncio.gather(*closing)
         self._executor.submit(self._engine.close)
         self._executor.shutdown(wait=False)
 
@@ -327,7 +308,10 @@ class InferenceStage:
         groups = []
         failures = batch.job_failures
         if batch.crops is not None and len(batch.crop_owners):
-            pixels, owners = _live_rows(batch.crops, batch.crop_owners, failures)
+            crops = batch.crops
+            if not (self._crops_on_device or isinstance(crops, np.ndarray)):
+                crops = crops.cpu().numpy()  # decoded on a GPU (or by a stand-in, in tests)
+            pixels, owners = _live_rows(crops, batch.crop_owners, failures)
             if len(owners):
                 groups.append((pixels, owners))
         tensors = [
@@ -412,7 +396,7 @@ class InferenceStage:
         jpegs = batch.jpegs[lo : lo + DECODE_BATCH]
         owners = batch.jpeg_owners[lo : lo + DECODE_BATCH]
         try:
-            decoded, _ = await self._decoding.submit(list(jpegs))
+            decoded = await self._nvjpeg.decode(list(jpegs))
         except Exception as exc:  # the decoder itself failed: every job of the piece fails
             _fail_jobs(failures, owners, exc)
             return None
@@ -428,20 +412,12 @@ class InferenceStage:
         scored = await self._score_group(pixels, owners, batch, failures) if len(owners) else None
         return None if scored is None else replace(scored, decode_ms=decode_ms)
 
-    async def _decode_many(self, pieces: list[list[bytes]]) -> list:
-        """One nvJPEG call for pieces of several calls, on the decode thread."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._decode_executor, self._gpu_decoder.crops_many, pieces
-        )
-
     async def _warm_decoder(self) -> None:
         """The decode thread decodes once, then the engine runs those crops, before the
         replica reports ready (nvJPEG's first call and the resize kernels' loading cost
         seconds)."""
         loop = asyncio.get_running_loop()
-        warm = await loop.run_in_executor(self._decode_executor, self._gpu_decoder.warmup)
-        crops = warm.pixels
+        crops = (await self._nvjpeg.warm()).pixels
         if not (self._crops_on_device and crops.is_cuda):
             crops = crops.cpu().numpy()
         await loop.run_in_executor(

@@ -1,9 +1,12 @@
 """The preprocess stage: every job's encoded images decoded to crops for the engine, in the
 fair decode pool (serve_app/decode_pool.py); a bad image fails alone. With `decode: gpu` the
-JPEGs nvJPEG can take (engines/jpeg.py reads their headers, on this thread: microseconds)
-stay encoded for the inference stage's GPU decoder (engines/gpu_decode.py); only the others
-go to the pool. Plain code: the Preprocess deployment hosts it, or the Inference deployment
-or the ingress where the topology fuses them.
+JPEGs nvJPEG can take (engines/jpeg.py reads their headers, on this thread: microseconds) go
+to nvJPEG (engines/gpu_decode.py); only the others go to the pool. Where the inference stage
+runs in the same replica it decodes them (its engine batches start as each piece is
+decoded); in a Preprocess deployment of its own, this stage does (`decodes`), and the crops
+go on to Inference on the GPU (serve_app/device_crops.py). Plain code: the Preprocess
+deployment hosts it, or the Inference deployment or the ingress where the topology fuses
+them.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from serve_app.config import AppConfig
 from serve_app.decode_pool import DecodePool
 from serve_app.errors import Code, code_for, message_for
 from serve_app.messages import NO_OWNERS, Batch, Failure, StageTiming
+from serve_app.nvjpeg_queue import DECODE_BATCH, NvjpegQueue
 
 
 def load_model(config: AppConfig) -> ModelRef:
@@ -36,8 +40,12 @@ def _owners(pairs: list[tuple[int, int]]) -> np.ndarray:
 
 
 class PreprocessStage:
-    def __init__(self, config: AppConfig, spec: PreprocessSpec) -> None:
+    """`decodes`: the JPEGs left for nvJPEG are decoded here too (decode: gpu, and no
+    inference stage in this replica); `await warm()` before the first call."""
+
+    def __init__(self, config: AppConfig, spec: PreprocessSpec, decodes: bool = False) -> None:
         self._spec = spec
+        self._nvjpeg = NvjpegQueue(config, spec) if decodes else None
         self._limits = decode_limits(config)
         self._gpu = config.decode == "gpu"
         self._max_request_pixels = config.limits.max_request_pixels
@@ -47,6 +55,14 @@ class PreprocessStage:
             self._decode,
             config.limits.max_request_pixels,
         )
+
+    async def warm(self) -> None:
+        if self._nvjpeg is not None:
+            await self._nvjpeg.warm()
+
+    async def close(self) -> None:
+        if self._nvjpeg is not None:
+            await self._nvjpeg.close()
 
     def _cost(self, data: bytes) -> int:
         return preprocessing.decode_cost(data, self._spec, self._limits)
@@ -117,12 +133,18 @@ class PreprocessStage:
                 else:
                     crops.append(result)
                     crop_owners.append((job, image))
+        pixels = np.stack(crops) if crops else None
+        if self._nvjpeg is not None and jpegs:
+            pixels, crop_owners = await self._decode_on_gpu(
+                jpegs, jpeg_owners, pixels, crop_owners, failures, image_failures
+            )
+            jpegs, jpeg_owners = [], []
         timing = StageTiming(preprocess_ms=(time.perf_counter() - start) * 1000.0)
         return batch.replace(
             jobs=tuple(
                 job if job.pixels is not None else job.without_inputs() for job in batch.jobs
             ),
-            crops=np.stack(crops) if crops else None,
+            crops=pixels,
             crop_owners=_owners(crop_owners),
             jpegs=tuple(jpegs),
             jpeg_owners=_owners(jpeg_owners),
@@ -130,3 +152,52 @@ class PreprocessStage:
             job_failures=failures,
             timing=timing,
         )
+
+    async def _decode_on_gpu(
+        self,
+        jpegs: list[bytes],
+        owners: list[tuple[int, int]],
+        host_crops: np.ndarray | None,
+        host_owners: list[tuple[int, int]],
+        failures: dict[int, Failure],
+        image_failures: dict[tuple[int, int], Failure],
+    ) -> tuple[object, list[tuple[int, int]]]:
+        """The JPEGs through nvJPEG, in pieces of at most DECODE_BATCH decoded with other
+        calls' pieces, and the host crops beside them: one tensor on the GPU, and its rows'
+        owners. A JPEG nvJPEG refuses fails alone; nvJPEG itself failing fails the jobs of
+        its piece."""
+        import torch  # decode: gpu only
+
+        pieces = [owners[lo : lo + DECODE_BATCH] for lo in range(0, len(owners), DECODE_BATCH)]
+        decoded = await asyncio.gather(
+            *(
+                self._nvjpeg.decode(jpegs[lo : lo + DECODE_BATCH])
+                for lo in range(0, len(jpegs), DECODE_BATCH)
+            ),
+            return_exceptions=True,
+        )
+        tensors, rows = [], []
+        for piece, crops in zip(pieces, decoded, strict=True):
+            if isinstance(crops, BaseException):
+                if not isinstance(crops, Exception):
+                    raise crops
+                failure = Failure(int(code_for(crops)), message_for(crops))
+                for job, _ in piece:
+                    failures.setdefault(job, failure)
+                continue
+            for index, error in crops.errors:
+                image_failures[piece[index]] = Failure(int(error.code), str(error))
+            tensors.append(crops.pixels)
+            rows += [piece[index] for index in crops.good]
+        if host_crops is not None:
+            device = tensors[0].device if tensors else None
+            tensors.append(torch.from_numpy(host_crops).to(device) if device else host_crops)
+            rows += host_owners
+        if not tensors:
+            return None, rows
+        if len(tensors) == 1:
+            return tensors[0], rows
+        crops = torch.cat(tensors)
+        if crops.is_cuda:  # complete before any other process or stream reads them
+            torch.cuda.current_stream(crops.device).synchronize()
+        return crops, rows

@@ -22,6 +22,8 @@ import io
 import pickle
 from collections.abc import Iterator, Sequence
 
+from serve_app import device_crops
+
 LENGTH_DELIMITED = 2
 _FIXED = {1: 8, 5: 4}  # wire type: bytes (64-bit, 32-bit)
 # A key or a length takes at most 5 bytes (protobuf refuses longer ones), a value 10.
@@ -79,6 +81,8 @@ class _InBandPickler(pickle.Pickler):
             # In band, a PickleBuffer is written as bytes and read back as bytes: the same
             # tuple on the other side, without a copy of each image made first.
             return tuple, ([pickle.PickleBuffer(view) for view in obj.views()],)
+        if device_crops.is_cuda_tensor(obj):  # crops on the GPU: a CUDA IPC handle
+            return device_crops.reduce(obj)
         return NotImplemented
 
 

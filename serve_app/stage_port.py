@@ -40,7 +40,7 @@ from typing import Any
 
 import grpc
 
-from serve_app import request_images
+from serve_app import device_crops, request_images
 from serve_app.messages import Batch
 from serve_app.registry import ModelRegistry
 from serve_app.shared_images import ImageReader, ImageWriter, SharedImagesMissing
@@ -126,6 +126,7 @@ class PortCalls:
         self._node = node
         self._images = ImageWriter(shared_bytes) if shared_bytes and node else None
         self._unshared: set[str] = set()  # addresses that could not map this node's memory
+        self._crops_as_bytes: set[str] = set()  # addresses that could not open our GPU's
         self._channels: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
         self._open: dict[str, grpc.aio.Channel] = {}
         self._in_flight: dict[str, int] = {}
@@ -146,7 +147,7 @@ class PortCalls:
         address = self._pick(batch.model)
         if address is None:
             self.by_handle += 1
-            return await self._fallback(batch)
+            return await self._fallback(device_crops.on_host(batch))
         self._in_flight[address] += 1
         channel = self._channels[address]
         try:
@@ -166,7 +167,7 @@ class PortCalls:
             if self._channels.get(address) is channel:
                 self._drop(address)
             self.by_handle += 1
-            return await self._fallback(batch)
+            return await self._fallback(device_crops.on_host(batch))
         finally:
             if self._channels.get(address) is channel:  # not a channel opened since
                 self._in_flight[address] -= 1
@@ -175,8 +176,25 @@ class PortCalls:
         return value
 
     async def _call(self, address: str, batch: Batch) -> tuple[bool, Any]:
-        """One call over the port: the images through shared memory where the replica is on
-        this node, in the call otherwise (and again in the call if it cannot map them)."""
+        """One call over the port; crops on the GPU by CUDA IPC where the replica can open
+        them (serve_app/device_crops.py), else their bytes."""
+        if address in self._crops_as_bytes:
+            return await self._call_with_images(address, device_crops.on_host(batch))
+        ok, value = await self._call_with_images(address, batch)
+        if ok or not isinstance(value, device_crops.CropsNotHere):
+            return ok, value
+        logger.warning(
+            "the stage replica at %s cannot open this GPU's crops (%s); calls to "
+            "it carry their bytes",
+            address,
+            value,
+        )
+        self._crops_as_bytes.add(address)
+        return await self._call_with_images(address, device_crops.on_host(batch))
+
+    async def _call_with_images(self, address: str, batch: Batch) -> tuple[bool, Any]:
+        """The images through shared memory where the replica is on this node, in the call
+        otherwise (and again in the call if it cannot map them)."""
         shared = None
         on_this_node = address.rsplit(":", 1)[0] == self._node
         if self._images is not None and on_this_node and address not in self._unshared:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
@@ -162,13 +162,18 @@ class ModelStages:
         config: AppConfig,
         stages: Group,
         model: ModelRef,
-        preprocess: Callable[[PreprocessSpec], PreprocessStage],
+        preprocess: Callable[[PreprocessSpec], Awaitable[PreprocessStage]],
     ) -> ModelStages:
         spec = model.spec
+        # decode: gpu decodes where the inference stage is, or else in Preprocess
+        decodes = config.decode == "gpu" and "preprocess" in stages
+        inference = None
+        if "inference" in stages:
+            inference = await InferenceStage.create(config, model, decodes=decodes)
         return cls(
             spec,
-            preprocess(spec.preprocess) if "preprocess" in stages else None,
-            await InferenceStage.create(config, model) if "inference" in stages else None,
+            await preprocess(spec.preprocess) if "preprocess" in stages else None,
+            inference,
             PostprocessStage(spec) if "postprocess" in stages else None,
         )
 
@@ -306,10 +311,14 @@ class StageGroup:
     def stages(self) -> Group:
         return self._stages
 
-    def _preprocess_stage(self, spec: PreprocessSpec) -> PreprocessStage:
-        """Versions that preprocess alike share one stage (its decode threads stay)."""
+    async def _preprocess_stage(self, spec: PreprocessSpec) -> PreprocessStage:
+        """Versions that preprocess alike share one stage (its decode threads stay). With
+        decode: gpu and no inference stage here, it decodes the JPEGs too."""
         if spec not in self._preprocess:
-            self._preprocess[spec] = PreprocessStage(self._config, spec)
+            decodes = self._config.decode == "gpu" and "inference" not in self._stages
+            stage = PreprocessStage(self._config, spec, decodes=decodes)
+            await stage.warm()
+            self._preprocess[spec] = stage
         return self._preprocess[spec]
 
     def model(self, key: str) -> ModelStages:

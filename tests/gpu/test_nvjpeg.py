@@ -109,3 +109,30 @@ async def test_gpu_replica_keeps_crops_on_the_gpu_and_answers_each_image(
     assert top[1][0] in COFFEE and top[1][1] in CATS and top[1][2] == 3
     assert all(t in CATS for t in top[2][::2]) and all(t in COFFEE for t in top[2][1::2])
     assert group.images_inferred() == 2 + 2 + 40
+
+
+def _crops_checksum(payload: bytes) -> tuple[int, str]:
+    """In another process: the crops a stage call carried, summed on this process' GPU."""
+    import pickle
+
+    crops = pickle.loads(payload).crops
+    return int(crops.sum()), str(crops.device)
+
+
+def test_crops_reach_another_process_by_cuda_ipc() -> None:
+    """A stage call's crops on the GPU travel as a CUDA IPC handle (a few hundred bytes,
+    not their pixels) and read the same in another process on that GPU."""
+    import multiprocessing
+
+    from serve_app import request_images
+    from serve_app.messages import Batch
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    crops = torch.randint(
+        0, 256, (32, 224, 224, 3), dtype=torch.uint8, device="cuda", generator=generator
+    )
+    payload = request_images.dumps(Batch(jobs=(), crops=crops))
+    assert len(payload) < 4096 < crops.nbytes
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        total, device = pool.apply(_crops_checksum, (payload,))
+    assert total == int(crops.sum()) and device.startswith("cuda")

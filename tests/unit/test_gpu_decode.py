@@ -204,7 +204,7 @@ async def test_a_gpu_decode_replica_decodes_the_jpegs_of_waiting_calls_together(
     in pieces of at most DECODE_BATCH, each scored once decoded; each request keeps its own
     answers in its own order, the junk bytes failing alone."""
     from engines import gpu_decode
-    from serve_app.inference import DECODE_BATCH
+    from serve_app.nvjpeg_queue import DECODE_BATCH
 
     decoder = _PilBatchDecoder()
     construct = gpu_decode.GpuJpegDecoder.__init__
@@ -226,7 +226,7 @@ async def test_a_gpu_decode_replica_decodes_the_jpegs_of_waiting_calls_together(
         group.run(batch_of([photos["chelsea"], b"junk", photos["coffee"]], [photos["coffee"]]))
     )
     largest = asyncio.ensure_future(group.run(batch_of(large)))
-    while group.model("").inference._decoding.queued_images < 3 + len(large):
+    while group.model("").inference._nvjpeg._queue.queued_images < 3 + len(large):
         await asyncio.sleep(0.01)
     decoder.gate.set()
     answers = [await first, await later, await largest]
@@ -265,9 +265,52 @@ async def test_a_failing_decoder_fails_only_the_requests_it_was_decoding(
     def broken(requests):
         raise OSError("the decoder is gone")
 
-    monkeypatch.setattr(group.model("").inference._gpu_decoder, "crops_many", broken)
+    monkeypatch.setattr(group.model("").inference._nvjpeg._decoder, "crops_many", broken)
     png = encode(np.asarray(Image.open(io.BytesIO(photos["coffee"]))), "PNG")
     answers = await group.run(batch_of([photos["chelsea"], png], [png]))
     assert len(answers) == 2
+    assert answers[0].code == 13 and "the decoder is gone" in answers[0].message  # INTERNAL
+    assert answers[1].code == 0 and top_classes(answers[1:])[0][0] in COFFEE
+
+
+async def test_a_preprocess_deployment_of_its_own_decodes_and_hands_the_crops_on(
+    model_repository, photos, monkeypatch
+) -> None:
+    """decode: gpu with Preprocess a deployment of its own (a stand-in decoder on the CPU):
+    the Preprocess replica decodes (warmed before it is ready), in pieces of at most
+    DECODE_BATCH, and passes one tensor of crops on (GPU-decoded and host-decoded rows
+    together); the Inference replica decodes nothing. Each request is answered in its own
+    order, the junk failing alone; nvJPEG itself failing fails only its piece's jobs."""
+    from engines import gpu_decode
+    from serve_app.nvjpeg_queue import DECODE_BATCH
+
+    decoder = _PilBatchDecoder()
+    construct = gpu_decode.GpuJpegDecoder.__init__
+
+    def on_the_cpu(self, spec, limits, **_):
+        construct(self, spec, limits, device="cpu", decode_batch=decoder)
+
+    monkeypatch.setattr(gpu_decode.GpuJpegDecoder, "__init__", on_the_cpu)
+    config = AppConfig(model_repository=model_repository, decode="gpu")
+    preprocess = await StageGroup.create(config, ("preprocess",))
+    rest = await StageGroup.create(config, ("inference", "postprocess"))
+    assert decoder.calls == [2]  # the Preprocess replica warmed its decoder
+    assert rest.model("").inference._nvjpeg is None
+    png = encode(np.asarray(Image.open(io.BytesIO(photos["coffee"]))), "PNG")
+    large = [photos["chelsea"], photos["coffee"]] * 40
+    batch = batch_of([photos["chelsea"], png, b"junk", photos["coffee"]], large)
+    decoded = await preprocess.run(batch)
+    assert isinstance(decoded.crops, torch.Tensor) and len(decoded.crops) == 3 + len(large)
+    assert decoded.jpegs == () and sorted(decoder.calls[1:]) == [18, DECODE_BATCH]
+    top = top_classes(await rest.run(decoded))
+    assert top[0][0] in CATS and top[0][1] in COFFEE and top[0][2] == 3
+    assert top[0][3] in COFFEE
+    assert all(t in CATS for t in top[1][::2]) and all(t in COFFEE for t in top[1][1::2])
+
+    def broken(requests):
+        raise OSError("the decoder is gone")
+
+    monkeypatch.setattr(preprocess.model("").preprocess._nvjpeg._decoder, "crops_many", broken)
+    answers = await rest.run(await preprocess.run(batch_of([photos["chelsea"]], [png])))
     assert answers[0].code == 13 and "the decoder is gone" in answers[0].message  # INTERNAL
     assert answers[1].code == 0 and top_classes(answers[1:])[0][0] in COFFEE

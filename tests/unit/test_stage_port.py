@@ -10,7 +10,7 @@ import os
 import grpc
 import pytest
 
-from serve_app import shared_images
+from serve_app import device_crops, shared_images
 from serve_app.errors import ModelNotFound
 from serve_app.messages import Batch, Job
 from serve_app.registry import MemoryStore, ModelRegistry
@@ -284,3 +284,52 @@ async def test_a_call_cut_off_by_its_closing_channel_goes_by_handle(monkeypatch)
     assert calls._in_flight == {next(iter(registry.ports("Inference"))): 0}
     await calls.close()
     await port.stop(0)
+
+
+class _CropsOnAnotherGpu:
+    """Stands for a CUDA tensor whose GPU the callee cannot see: its IPC handle, unpickled
+    there, raises CropsNotHere (serve_app/device_crops.py); its bytes are 'host crops'."""
+
+    is_cuda = True
+    nbytes = 10
+
+    def cpu(self):
+        return self
+
+    def numpy(self) -> str:
+        return "host crops"
+
+
+def _refuse() -> None:
+    raise device_crops.CropsNotHere("GPU GPU-1234 is not visible to this replica")
+
+
+async def test_crops_a_replica_cannot_open_go_to_it_as_bytes_from_then_on(monkeypatch) -> None:
+    """Crops on the GPU go by CUDA IPC handle; a replica that cannot open the caller's GPU
+    refuses the call, which goes again with the crops' bytes, as every later call to it
+    does. The call is answered once, and by the port."""
+    monkeypatch.setattr(device_crops, "reduce", lambda tensor: (_refuse, ()))
+    registry = ModelRegistry(MemoryStore(), "app")
+    seen: list[object] = []
+
+    async def run(batch: Batch) -> str:
+        seen.append(batch.crops)
+        return "answered"
+
+    port = StagePort(run, TOKEN)
+    registry.report("Inference", "r1", [], address=await port.start("127.0.0.1"))
+    fallback = Fallback()
+    calls = PortCalls(registry, "Inference", fallback, TOKEN)
+    calls.update(registry.ports("Inference"))
+    batch = _batch().replace(crops=_CropsOnAnotherGpu())
+    assert await calls.run(batch) == "answered"
+    assert await calls.run(batch) == "answered"
+    assert seen == ["host crops", "host crops"] and port.calls == 3  # one refused
+    assert fallback.batches == []
+    await calls.close()
+    await port.stop(0)
+
+
+def test_crops_on_a_gpu_this_process_cannot_see_are_refused() -> None:
+    with pytest.raises(device_crops.CropsNotHere, match="GPU-0000 is not visible"):
+        device_crops._rebuild("GPU-0000", None, ())

@@ -1,0 +1,67 @@
+"""decode: gpu in a stage replica: one nvJPEG decode thread, fed by a queue that joins the
+pieces of JPEGs of every call (and ingress replica) into batched decodes. The stage that
+decodes hosts it: the Inference replicas where the topology fuses Preprocess into them, the
+Preprocess replicas where Preprocess is a deployment of its own (their crops then reach
+Inference on the same GPU by CUDA IPC: serve_app/device_crops.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+from engines.repository import PreprocessSpec
+from serve_app.batching import DynamicBatcher
+from serve_app.config import AppConfig
+
+# JPEGs per nvJPEG call. One decode thread takes everything queued (calls from every ingress
+# replica) up to this: torchvision decodes under a process-wide lock anyway, and on an H200
+# a call of 64 costs 0.12 ms of CPU an image where calls of 8 from four threads cost 0.40
+# (bench/gpu_decode_bench.py). A call's JPEGs go in pieces of this size, each scored once
+# decoded, so a large call's engine batches start while the rest decodes.
+DECODE_BATCH = 64
+
+
+class NvjpegQueue:
+    """`await decode(jpegs)`: at most DECODE_BATCH JPEGs' crops (engines.gpu_decode.Crops),
+    decoded with other calls' pieces in one nvJPEG call on the decode thread."""
+
+    def __init__(self, config: AppConfig, spec: PreprocessSpec) -> None:
+        from engines.gpu_decode import GpuJpegDecoder  # GPU machines only
+        from serve_app.preprocess import decode_limits
+
+        hybrid = None
+        if config.gpu_hybrid_decode:
+            from engines.nvjpeg import HybridJpegDecoder
+
+            hybrid = HybridJpegDecoder()
+        self._decoder = GpuJpegDecoder(
+            spec,
+            decode_limits(config),
+            chunk=config.nvjpeg_chunk or None,
+            hybrid_decode=hybrid,
+            hybrid_min_jpegs=DECODE_BATCH,
+        )
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="nvjpeg")
+        self._queue = DynamicBatcher(
+            self._decode_many, len, max_batch_size=DECODE_BATCH, max_queued=1 << 30
+        )
+
+    async def decode(self, jpegs: list[bytes]):
+        decoded, _ = await self._queue.submit(jpegs)
+        return decoded
+
+    async def warm(self):
+        """Decode once on the decode thread (nvJPEG's first call and the resize kernels'
+        loading cost seconds) before the replica reports ready; the crops, for the engine's
+        own first pass."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._decoder.warmup)
+
+    async def close(self) -> None:
+        self._executor.shutdown(wait=False)
+        await self._queue.close()
+
+    async def _decode_many(self, pieces: list[list[bytes]]) -> list:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._decoder.crops_many, pieces)
