@@ -309,8 +309,9 @@ class InferenceStage:
         failures = batch.job_failures
         if batch.crops is not None and len(batch.crop_owners):
             crops = batch.crops
-            if not (self._crops_on_device or isinstance(crops, np.ndarray)):
-                crops = crops.cpu().numpy()  # decoded on a GPU (or by a stand-in, in tests)
+            on_device = self._crops_on_device and getattr(crops, "is_cuda", False)
+            if not (on_device or isinstance(crops, np.ndarray)):
+                crops = crops.cpu().numpy()  # a tensor the engine cannot take as it is
             pixels, owners = _live_rows(crops, batch.crop_owners, failures)
             if len(owners):
                 groups.append((pixels, owners))
