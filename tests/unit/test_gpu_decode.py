@@ -104,6 +104,21 @@ class _PilBatchDecoder:
         return out
 
 
+@pytest.fixture
+def stand_in_nvjpeg(monkeypatch) -> _PilBatchDecoder:
+    """Every GpuJpegDecoder a stage makes runs on the CPU with the stand-in for nvJPEG."""
+    from engines import gpu_decode
+
+    decoder = _PilBatchDecoder()
+    construct = gpu_decode.GpuJpegDecoder.__init__
+
+    def on_the_cpu(self, spec, limits, **_):
+        construct(self, spec, limits, device="cpu", decode_batch=decoder)
+
+    monkeypatch.setattr(gpu_decode.GpuJpegDecoder, "__init__", on_the_cpu)
+    return decoder
+
+
 def test_requests_decode_together_and_a_bad_jpeg_fails_alone(model, photos) -> None:
     from engines.gpu_decode import Crops, GpuJpegDecoder
     from engines.images import DecodeLimits, InvalidImage, decode
@@ -197,22 +212,15 @@ def test_large_calls_go_to_the_hybrid_decoder_with_the_same_results(model, photo
 
 
 async def test_a_gpu_decode_replica_decodes_the_jpegs_of_waiting_calls_together(
-    model_repository, photos, monkeypatch
+    model_repository, photos, monkeypatch, stand_in_nvjpeg
 ) -> None:
     """decode: gpu through the stages' own code (a stand-in decoder on the CPU): one decode
     thread; calls that arrive while it decodes are decoded together in its next nvJPEG call,
     in pieces of at most DECODE_BATCH, each scored once decoded; each request keeps its own
     answers in its own order, the junk bytes failing alone."""
-    from engines import gpu_decode
     from serve_app.nvjpeg_queue import DECODE_BATCH
 
-    decoder = _PilBatchDecoder()
-    construct = gpu_decode.GpuJpegDecoder.__init__
-
-    def on_the_cpu(self, spec, limits, **_):
-        construct(self, spec, limits, device="cpu", decode_batch=decoder)
-
-    monkeypatch.setattr(gpu_decode.GpuJpegDecoder, "__init__", on_the_cpu)
+    decoder = stand_in_nvjpeg
     config = AppConfig(model_repository=model_repository, decode="gpu")
     group = await StageGroup.create(config, STAGES)
     assert decoder.calls == [2]  # start-up warmed the decode thread before the replica was ready
@@ -245,19 +253,10 @@ async def test_a_gpu_decode_replica_decodes_the_jpegs_of_waiting_calls_together(
 
 
 async def test_a_failing_decoder_fails_only_the_requests_it_was_decoding(
-    model_repository, photos, monkeypatch
+    model_repository, photos, monkeypatch, stand_in_nvjpeg
 ) -> None:
     """nvJPEG itself failing (not one bad JPEG) fails the requests whose JPEGs it held,
     with one answer each; a request of the same call decoded on the CPU is answered."""
-    from engines import gpu_decode
-
-    decoder = _PilBatchDecoder()
-    construct = gpu_decode.GpuJpegDecoder.__init__
-
-    def on_the_cpu(self, spec, limits, **_):
-        construct(self, spec, limits, device="cpu", decode_batch=decoder)
-
-    monkeypatch.setattr(gpu_decode.GpuJpegDecoder, "__init__", on_the_cpu)
     group = await StageGroup.create(
         AppConfig(model_repository=model_repository, decode="gpu"), STAGES
     )
@@ -274,23 +273,16 @@ async def test_a_failing_decoder_fails_only_the_requests_it_was_decoding(
 
 
 async def test_a_preprocess_deployment_of_its_own_decodes_and_hands_the_crops_on(
-    model_repository, photos, monkeypatch
+    model_repository, photos, monkeypatch, stand_in_nvjpeg
 ) -> None:
     """decode: gpu with Preprocess a deployment of its own (a stand-in decoder on the CPU):
     the Preprocess replica decodes (warmed before it is ready), in pieces of at most
     DECODE_BATCH, and passes one tensor of crops on (GPU-decoded and host-decoded rows
     together); the Inference replica decodes nothing. Each request is answered in its own
     order, the junk failing alone; nvJPEG itself failing fails only its piece's jobs."""
-    from engines import gpu_decode
     from serve_app.nvjpeg_queue import DECODE_BATCH
 
-    decoder = _PilBatchDecoder()
-    construct = gpu_decode.GpuJpegDecoder.__init__
-
-    def on_the_cpu(self, spec, limits, **_):
-        construct(self, spec, limits, device="cpu", decode_batch=decoder)
-
-    monkeypatch.setattr(gpu_decode.GpuJpegDecoder, "__init__", on_the_cpu)
+    decoder = stand_in_nvjpeg
     config = AppConfig(model_repository=model_repository, decode="gpu")
     preprocess = await StageGroup.create(config, ("preprocess",))
     rest = await StageGroup.create(config, ("inference", "postprocess"))
