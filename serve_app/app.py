@@ -77,7 +77,11 @@ class Stages:
             self._next = StageHandle(next)
             if config.stage_calls == "port":
                 self._next = PortCalls(
-                    registry, next.deployment_name, self._next.run, config.stage_token
+                    registry,
+                    next.deployment_name,
+                    self._next.run,
+                    config.stage_token,
+                    node=ray.util.get_node_ip_address(),  # crops on the GPU: this node's only
                 )
         self.batching = self._group.batching
         self.images_inferred = self._group.images_inferred

@@ -140,10 +140,13 @@ class AppConfig(_Strict):
     # direct (the ingress replica runs all three), or groups written out, such as
     # [[preprocess, inference], [postprocess]].
     topology: Literal["chained", "fused", "direct"] | tuple[tuple[Stage, ...], ...] = "chained"
-    # cpu: PIL decodes every image. gpu: JPEGs are decoded by nvJPEG (needs torchvision and a
-    # GPU there) in the inference replica where preprocess runs in it, else in the Preprocess
-    # replica, whose crops reach Inference on the same GPU by CUDA IPC; PIL takes the rest.
+    # cpu: PIL decodes every image. gpu: JPEGs are decoded by nvJPEG in the inference replica
+    # (needs torchvision and a GPU there); the CPU stage only checks headers.
     decode: Literal["cpu", "gpu"] = "cpu"
+    # With decode: gpu and Preprocess a deployment of its own: nvJPEG runs in the Preprocess
+    # replicas instead (give them num_gpus), whose crops reach Inference on the same GPU by
+    # CUDA IPC (serve_app/device_crops.py).
+    preprocess_decodes_on_gpu: bool = False
     # With decode: gpu, the most JPEGs in one nvJPEG call (0: a piece's all, up to 64).
     nvjpeg_chunk: int = Field(0, ge=0, le=64)
     # With decode: gpu, nvJPEG's full calls (64 JPEGs) use its GPU_HYBRID backend (Huffman
@@ -194,6 +197,22 @@ class AppConfig(_Strict):
     def _hybrid_decode_on_the_gpu(self) -> AppConfig:
         if self.gpu_hybrid_decode and self.decode != "gpu":
             raise ValueError("gpu_hybrid_decode needs decode: gpu")
+        return self
+
+    @model_validator(mode="after")
+    def _preprocess_decodes_apart(self) -> AppConfig:
+        if not self.preprocess_decodes_on_gpu:
+            return self
+        if self.decode != "gpu" or self.gpu_hybrid_decode:
+            raise ValueError(
+                "preprocess_decodes_on_gpu needs decode: gpu, without gpu_hybrid_decode"
+            )
+        stage_groups = groups(self)  # direct: none, the ingress runs all three
+        if not stage_groups or any("preprocess" in g and "inference" in g for g in stage_groups):
+            raise ValueError(
+                "preprocess_decodes_on_gpu needs Preprocess a deployment apart from Inference "
+                "(topology chained, or groups such as [[preprocess], [inference, postprocess]])"
+            )
         return self
 
     @model_validator(mode="after")

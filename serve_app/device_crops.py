@@ -4,23 +4,25 @@ tensor's memory, not its bytes. Two Ray actors sharing an H200 handed 224x224 cr
 this way at 35,192 img/s in batches of 32, against 12,625 through the host and Ray's object
 store.
 
-The caller keeps the tensor until the call answers; the callee lets go of it before it
-answers (the batch lives as long as the call), so the caller's memory is free again when
-the answer comes. A callee that cannot see the caller's GPU (another GPU, a replica of
-another node) refuses the call with CropsNotHere, and the caller sends that replica the
-crops' bytes from then on (`on_host`); Serve handle calls always carry the bytes.
+The caller keeps the tensor until the call answers; the callee lets go of it once its
+engine has run, so the caller's memory is free again when the answer comes. A callee that
+cannot open the handle (another GPU, no shared /dev/shm) refuses the call with
+CropsNotHere, and the caller sends that replica the crops' bytes from then on (`on_host`);
+so do calls to another node and Serve handle calls.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from serve_app.messages import Batch
 
-# reduce_tensor's arguments for a CUDA tensor: this one is the device's index in the
-# producer's process, which the consumer's numbering (CUDA_VISIBLE_DEVICES) may not share.
-_DEVICE_ARG = 6
+# reduce_tensor's arguments for a CUDA tensor (torch.multiprocessing.reductions): the
+# device's index in the producer's process, which the consumer's numbering
+# (CUDA_VISIBLE_DEVICES) may not share; the storage's class; its reference counter.
+_DEVICE_ARG, _STORAGE_CLASS_ARG, _COUNTER_ARGS = 6, 4, slice(11, 13)
 
 
 class CropsNotHere(Exception):
@@ -41,11 +43,25 @@ def reduce(tensor) -> tuple:
 
 
 def _rebuild(uuid: str, rebuild, args: tuple):
+    """The tensor, opened on this process' index of its GPU; CropsNotHere where it cannot
+    be opened here (the caller then sends its bytes). A handle not opened still counts as
+    held by this process: released here, or the caller's memory would never be freed."""
     index = _visible_index(uuid)
-    if index is None:
-        raise CropsNotHere(f"GPU {uuid} is not visible to this replica")
-    args = (*args[:_DEVICE_ARG], index, *args[_DEVICE_ARG + 1 :])
-    return rebuild(*args)
+    try:
+        if index is None:
+            raise CropsNotHere(f"GPU {uuid} is not visible to this replica")
+        return rebuild(*args[:_DEVICE_ARG], index, *args[_DEVICE_ARG + 1 :])
+    except Exception as exc:
+        _release(args)
+        if isinstance(exc, CropsNotHere):
+            raise
+        raise CropsNotHere(f"cannot open crops of GPU {uuid}: {exc}") from exc
+
+
+def _release(args: tuple) -> None:
+    # on another node, or without CUDA here, there is nothing this process can release
+    with contextlib.suppress(Exception):
+        args[_STORAGE_CLASS_ARG]._release_ipc_counter(*args[_COUNTER_ARGS])
 
 
 def _visible_index(uuid: str) -> int | None:

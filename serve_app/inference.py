@@ -104,8 +104,8 @@ def _kind(pixels) -> str:
 
 class InferenceStage:
     """Owns one engine; `run(batch)` scores every image of every live job in the batch.
-    `decodes`: the JPEGs the preprocess stage left encoded are decoded here (decode: gpu with
-    Preprocess fused into this deployment)."""
+    `decodes`: the JPEGs the preprocess stage left encoded are decoded here (decode: gpu,
+    unless the Preprocess replicas decode them: preprocess_decodes_on_gpu)."""
 
     @classmethod
     async def create(
@@ -218,9 +218,15 @@ class InferenceStage:
             for lo in range(0, len(batch.jpegs), DECODE_BATCH)
         ]
         scored = [g for g in await asyncio.gather(*groups) if g is not None]
-        batch = batch.replace(job_failures=failures, image_failures=bad_images)
-        if batch.jpegs:
-            batch = batch.replace(jpegs=(), jpeg_owners=NO_OWNERS)
+        # the inputs go here: crops on the GPU may be another process' memory (CUDA IPC)
+        batch = batch.replace(
+            job_failures=failures,
+            image_failures=bad_images,
+            crops=None,
+            crop_owners=NO_OWNERS,
+            jpegs=(),
+            jpeg_owners=NO_OWNERS,
+        )
         if not scored:
             return batch.replace(owners=NO_OWNERS)
         owners = np.concatenate([g.owners for g in scored])
@@ -242,7 +248,6 @@ class InferenceStage:
         )
         return batch.replace(
             jobs=tuple(job.without_inputs() for job in batch.jobs),
-            crops=None,
             owners=owners,
             top_ids=top_ids,
             top_scores=top_scores,

@@ -1,10 +1,10 @@
 """The preprocess stage: every job's encoded images decoded to crops for the engine, in the
 fair decode pool (serve_app/decode_pool.py); a bad image fails alone. With `decode: gpu` the
 JPEGs nvJPEG can take (engines/jpeg.py reads their headers, on this thread: microseconds) go
-to nvJPEG (engines/gpu_decode.py); only the others go to the pool. Where the inference stage
-runs in the same replica it decodes them (its engine batches start as each piece is
-decoded); in a Preprocess deployment of its own, this stage does (`decodes`), and the crops
-go on to Inference on the GPU (serve_app/device_crops.py). Plain code: the Preprocess
+to nvJPEG (engines/gpu_decode.py); only the others go to the pool. The inference stage
+decodes them (its engine batches start as each piece is decoded), or with
+`preprocess_decodes_on_gpu` this stage does, in a Preprocess deployment of its own, and the
+crops go on to Inference on the GPU (serve_app/device_crops.py). Plain code: the Preprocess
 deployment hosts it, or the Inference deployment or the ingress where the topology fuses
 them.
 """
@@ -187,17 +187,15 @@ class PreprocessStage:
                 continue
             for index, error in crops.errors:
                 image_failures[piece[index]] = Failure(int(error.code), str(error))
-            tensors.append(crops.pixels)
-            rows += [piece[index] for index in crops.good]
+            if len(crops.good):
+                tensors.append(crops.pixels)
+                rows += [piece[index] for index in crops.good]
         if host_crops is not None:
             device = tensors[0].device if tensors else None
             tensors.append(torch.from_numpy(host_crops).to(device) if device else host_crops)
             rows += host_owners
         if not tensors:
             return None, rows
-        if len(tensors) == 1:
-            return tensors[0], rows
-        crops = torch.cat(tensors)
-        if crops.is_cuda:  # complete before any other process or stream reads them
-            torch.cuda.current_stream(crops.device).synchronize()
-        return crops, rows
+        # after the pieces' decodes (complete); a process reading the crops by CUDA IPC
+        # waits for this stream's work first (torch records an event with the handle)
+        return (tensors[0] if len(tensors) == 1 else torch.cat(tensors)), rows

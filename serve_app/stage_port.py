@@ -87,10 +87,9 @@ class StagePort:
         if not hmac.compare_digest(token.encode(), self._token):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "not a stage call of this app")
         try:
-            batch = pickle.loads(request)
-            if isinstance(batch, tuple):  # (batch, SharedImages): its images in shared memory
-                batch = self._images.restore(*batch)
-            reply = (True, await self._run(batch))
+            # no reference to the batch kept here: its crops on the GPU (another process'
+            # memory) are let go of as soon as the stages are done with them
+            reply = (True, await self._run(self._batch_of(request)))
         except Exception as exc:
             reply = (False, exc)
         self.calls += 1
@@ -98,6 +97,12 @@ class StagePort:
             return pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # an exception that does not pickle: its text does
             return pickle.dumps((False, RuntimeError(f"{type(reply[1]).__name__}: {exc}")))
+
+    def _batch_of(self, request: bytes) -> Batch:
+        batch = pickle.loads(request)
+        if isinstance(batch, tuple):  # (batch, SharedImages): its images in shared memory
+            batch = self._images.restore(*batch)
+        return batch
 
     async def stop(self, grace_s: float) -> None:
         if self._server is not None:
@@ -178,7 +183,7 @@ class PortCalls:
     async def _call(self, address: str, batch: Batch) -> tuple[bool, Any]:
         """One call over the port; crops on the GPU by CUDA IPC where the replica can open
         them (serve_app/device_crops.py), else their bytes."""
-        if address in self._crops_as_bytes:
+        if address in self._crops_as_bytes or not self._on_this_node(address):
             return await self._call_with_images(address, device_crops.on_host(batch))
         ok, value = await self._call_with_images(address, batch)
         if ok or not isinstance(value, device_crops.CropsNotHere):
@@ -196,7 +201,7 @@ class PortCalls:
         """The images through shared memory where the replica is on this node, in the call
         otherwise (and again in the call if it cannot map them)."""
         shared = None
-        on_this_node = address.rsplit(":", 1)[0] == self._node
+        on_this_node = self._on_this_node(address)
         if self._images is not None and on_this_node and address not in self._unshared:
             shared = self._images.put(batch)
         if shared is not None:
@@ -218,6 +223,9 @@ class PortCalls:
             )
             self._unshared.add(address)
         return await self._send(address, batch)
+
+    def _on_this_node(self, address: str) -> bool:
+        return address.rsplit(":", 1)[0] == self._node
 
     async def _send(self, address: str, message: Batch | tuple) -> tuple[bool, Any]:
         request = request_images.dumps(message)

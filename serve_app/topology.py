@@ -165,8 +165,7 @@ class ModelStages:
         preprocess: Callable[[PreprocessSpec], Awaitable[PreprocessStage]],
     ) -> ModelStages:
         spec = model.spec
-        # decode: gpu decodes where the inference stage is, or else in Preprocess
-        decodes = config.decode == "gpu" and "preprocess" in stages
+        decodes = config.decode == "gpu" and not config.preprocess_decodes_on_gpu
         inference = None
         if "inference" in stages:
             inference = await InferenceStage.create(config, model, decodes=decodes)
@@ -312,10 +311,9 @@ class StageGroup:
         return self._stages
 
     async def _preprocess_stage(self, spec: PreprocessSpec) -> PreprocessStage:
-        """Versions that preprocess alike share one stage (its decode threads stay). With
-        decode: gpu and no inference stage here, it decodes the JPEGs too."""
+        """Versions that preprocess alike share one stage (its decode threads stay)."""
         if spec not in self._preprocess:
-            decodes = self._config.decode == "gpu" and "inference" not in self._stages
+            decodes = self._config.preprocess_decodes_on_gpu
             stage = PreprocessStage(self._config, spec, decodes=decodes)
             await stage.warm()
             self._preprocess[spec] = stage

@@ -275,7 +275,7 @@ async def test_a_failing_decoder_fails_only_the_requests_it_was_decoding(
 async def test_a_preprocess_deployment_of_its_own_decodes_and_hands_the_crops_on(
     model_repository, photos, monkeypatch, stand_in_nvjpeg
 ) -> None:
-    """decode: gpu with Preprocess a deployment of its own (a stand-in decoder on the CPU):
+    """preprocess_decodes_on_gpu (a stand-in decoder on the CPU):
     the Preprocess replica decodes (warmed before it is ready), in pieces of at most
     DECODE_BATCH, and passes one tensor of crops on (GPU-decoded and host-decoded rows
     together); the Inference replica decodes nothing. Each request is answered in its own
@@ -283,7 +283,9 @@ async def test_a_preprocess_deployment_of_its_own_decodes_and_hands_the_crops_on
     from serve_app.nvjpeg_queue import DECODE_BATCH
 
     decoder = stand_in_nvjpeg
-    config = AppConfig(model_repository=model_repository, decode="gpu")
+    config = AppConfig(
+        model_repository=model_repository, decode="gpu", preprocess_decodes_on_gpu=True
+    )
     preprocess = await StageGroup.create(config, ("preprocess",))
     rest = await StageGroup.create(config, ("inference", "postprocess"))
     assert decoder.calls == [2]  # the Preprocess replica warmed its decoder
@@ -306,3 +308,21 @@ async def test_a_preprocess_deployment_of_its_own_decodes_and_hands_the_crops_on
     answers = await rest.run(await preprocess.run(batch_of([photos["chelsea"]], [png])))
     assert answers[0].code == 13 and "the decoder is gone" in answers[0].message  # INTERNAL
     assert answers[1].code == 0 and top_classes(answers[1:])[0][0] in COFFEE
+
+
+def test_preprocess_decodes_on_gpu_only_in_a_preprocess_deployment_of_its_own(
+    model_repository,
+) -> None:
+    AppConfig(model_repository=model_repository, decode="gpu", preprocess_decodes_on_gpu=True)
+    for wrong in (
+        {"decode": "cpu"},
+        {"topology": "fused"},
+        {"topology": "direct"},
+        {"topology": [["preprocess", "inference"], ["postprocess"]]},
+        {"gpu_hybrid_decode": True},
+    ):
+        with pytest.raises(ValueError, match="preprocess_decodes_on_gpu needs"):
+            AppConfig(
+                model_repository=model_repository,
+                **{"decode": "gpu", "preprocess_decodes_on_gpu": True, **wrong},
+            )

@@ -319,7 +319,7 @@ async def test_crops_a_replica_cannot_open_go_to_it_as_bytes_from_then_on(monkey
     port = StagePort(run, TOKEN)
     registry.report("Inference", "r1", [], address=await port.start("127.0.0.1"))
     fallback = Fallback()
-    calls = PortCalls(registry, "Inference", fallback, TOKEN)
+    calls = PortCalls(registry, "Inference", fallback, TOKEN, node="127.0.0.1")
     calls.update(registry.ports("Inference"))
     batch = _batch().replace(crops=_CropsOnAnotherGpu())
     assert await calls.run(batch) == "answered"
@@ -333,3 +333,24 @@ async def test_crops_a_replica_cannot_open_go_to_it_as_bytes_from_then_on(monkey
 def test_crops_on_a_gpu_this_process_cannot_see_are_refused() -> None:
     with pytest.raises(device_crops.CropsNotHere, match="GPU-0000 is not visible"):
         device_crops._rebuild("GPU-0000", None, ())
+
+
+async def test_crops_on_the_gpu_go_to_another_node_as_bytes(monkeypatch) -> None:
+    """A replica on another node cannot open this GPU's memory: its calls carry the bytes
+    from the first, and no handle is made."""
+    monkeypatch.setattr(device_crops, "reduce", lambda tensor: (_refuse, ()))
+    registry = ModelRegistry(MemoryStore(), "app")
+    seen: list[object] = []
+
+    async def run(batch: Batch) -> str:
+        seen.append(batch.crops)
+        return "answered"
+
+    port = StagePort(run, TOKEN)
+    registry.report("Inference", "r1", [], address=await port.start("127.0.0.1"))
+    calls = PortCalls(registry, "Inference", Fallback(), TOKEN, node="10.0.0.9")
+    calls.update(registry.ports("Inference"))
+    assert await calls.run(_batch().replace(crops=_CropsOnAnotherGpu())) == "answered"
+    assert seen == ["host crops"] and port.calls == 1
+    await calls.close()
+    await port.stop(0)
