@@ -304,12 +304,8 @@ def _refuse() -> None:
     raise device_crops.CropsNotHere("GPU GPU-1234 is not visible to this replica")
 
 
-async def test_crops_a_replica_cannot_open_go_to_it_as_bytes_from_then_on(monkeypatch) -> None:
-    """Crops on the GPU go by CUDA IPC handle; a replica that cannot open the caller's GPU
-    refuses the call, which goes again with the crops' bytes, as every later call to it
-    does. The call is answered once, and by the port."""
-    monkeypatch.setattr(device_crops, "reduce", lambda tensor: (_refuse, ()))
-    registry = ModelRegistry(MemoryStore(), "app")
+async def _port_noting_crops(registry: ModelRegistry) -> tuple[list[object], StagePort]:
+    """A replica's port whose stage notes the crops of each batch it runs."""
     seen: list[object] = []
 
     async def run(batch: Batch) -> str:
@@ -318,6 +314,16 @@ async def test_crops_a_replica_cannot_open_go_to_it_as_bytes_from_then_on(monkey
 
     port = StagePort(run, TOKEN)
     registry.report("Inference", "r1", [], address=await port.start("127.0.0.1"))
+    return seen, port
+
+
+async def test_crops_a_replica_cannot_open_go_to_it_as_bytes_from_then_on(monkeypatch) -> None:
+    """Crops on the GPU go by CUDA IPC handle; a replica that cannot open the caller's GPU
+    refuses the call, which goes again with the crops' bytes, as every later call to it
+    does. The call is answered once, and by the port."""
+    monkeypatch.setattr(device_crops, "reduce", lambda tensor: (_refuse, ()))
+    registry = ModelRegistry(MemoryStore(), "app")
+    seen, port = await _port_noting_crops(registry)
     fallback = Fallback()
     calls = PortCalls(registry, "Inference", fallback, TOKEN, node="127.0.0.1")
     calls.update(registry.ports("Inference"))
@@ -340,14 +346,7 @@ async def test_crops_on_the_gpu_go_to_another_node_as_bytes(monkeypatch) -> None
     from the first, and no handle is made."""
     monkeypatch.setattr(device_crops, "reduce", lambda tensor: (_refuse, ()))
     registry = ModelRegistry(MemoryStore(), "app")
-    seen: list[object] = []
-
-    async def run(batch: Batch) -> str:
-        seen.append(batch.crops)
-        return "answered"
-
-    port = StagePort(run, TOKEN)
-    registry.report("Inference", "r1", [], address=await port.start("127.0.0.1"))
+    seen, port = await _port_noting_crops(registry)
     calls = PortCalls(registry, "Inference", Fallback(), TOKEN, node="10.0.0.9")
     calls.update(registry.ports("Inference"))
     assert await calls.run(_batch().replace(crops=_CropsOnAnotherGpu())) == "answered"
