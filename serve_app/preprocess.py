@@ -40,8 +40,8 @@ def _owners(pairs: list[tuple[int, int]]) -> np.ndarray:
 
 
 class PreprocessStage:
-    """`decodes`: the JPEGs left for nvJPEG are decoded here too (decode: gpu, and no
-    inference stage in this replica); `await warm()` before the first call."""
+    """`decodes`: the JPEGs left for nvJPEG are decoded here too (preprocess_decodes_on_gpu);
+    `await warm()` before the first call."""
 
     def __init__(self, config: AppConfig, spec: PreprocessSpec, decodes: bool = False) -> None:
         self._spec = spec

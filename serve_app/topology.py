@@ -166,13 +166,10 @@ class ModelStages:
     ) -> ModelStages:
         spec = model.spec
         decodes = config.decode == "gpu" and not config.preprocess_decodes_on_gpu
-        inference = None
-        if "inference" in stages:
-            inference = await InferenceStage.create(config, model, decodes=decodes)
         return cls(
             spec,
             await preprocess(spec.preprocess) if "preprocess" in stages else None,
-            inference,
+            await InferenceStage.create(config, model, decodes) if "inference" in stages else None,
             PostprocessStage(spec) if "postprocess" in stages else None,
         )
 
@@ -315,7 +312,11 @@ class StageGroup:
         if spec not in self._preprocess:
             decodes = self._config.preprocess_decodes_on_gpu
             stage = PreprocessStage(self._config, spec, decodes=decodes)
-            await stage.warm()
+            try:
+                await stage.warm()
+            except BaseException:
+                await stage.close()  # its decode thread; a later load makes another
+                raise
             self._preprocess[spec] = stage
         return self._preprocess[spec]
 
