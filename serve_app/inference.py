@@ -30,8 +30,8 @@ from engines import scores as postprocessing
 from engines.repository import ModelRef
 from serve_app.batching import DynamicBatcher
 from serve_app.config import AppConfig, BatchingConfig
-from serve_app.errors import Code, code_for, message_for
-from serve_app.messages import NO_OWNERS, Batch, Failure, Job, StageTiming
+from serve_app.errors import Code
+from serve_app.messages import NO_OWNERS, Batch, Failure, Job, StageTiming, fail_jobs
 from serve_app.metrics import InferenceMetrics
 from serve_app.nvjpeg_queue import DECODE_BATCH, NvjpegQueue
 
@@ -271,7 +271,7 @@ class InferenceStage:
         try:
             ran = await self._score(pixels, batch, owners)
         except Exception as exc:
-            _fail_jobs(failures, owners, exc)
+            fail_jobs(failures, owners, exc)
             return None
         return _Scored(
             owners,
@@ -313,10 +313,7 @@ class InferenceStage:
         groups = []
         failures = batch.job_failures
         if batch.crops is not None and len(batch.crop_owners):
-            crops = batch.crops
-            on_device = self._crops_on_device and getattr(crops, "is_cuda", False)
-            if not (on_device or isinstance(crops, np.ndarray)):
-                crops = crops.cpu().numpy()  # a tensor the engine cannot take as it is
+            crops = self._engine_input(batch.crops)
             pixels, owners = _live_rows(crops, batch.crop_owners, failures)
             if len(owners):
                 groups.append((pixels, owners))
@@ -404,28 +401,30 @@ class InferenceStage:
         try:
             decoded = await self._nvjpeg.decode(list(jpegs))
         except Exception as exc:  # the decoder itself failed: every job of the piece fails
-            _fail_jobs(failures, owners, exc)
+            fail_jobs(failures, owners, exc)
             return None
         decode_ms = ms_since(start)
         for i, error in decoded.errors:
             job, image = owners[i].tolist()
             bad_images[job, image] = Failure(int(error.code), str(error))
         owners = owners[list(decoded.good)]
-        pixels = decoded.pixels
-        if not (self._crops_on_device and pixels.is_cuda):
-            pixels = pixels.cpu().numpy()
-        pixels, owners = _live_rows(pixels, owners, failures)
+        pixels, owners = _live_rows(self._engine_input(decoded.pixels), owners, failures)
         scored = await self._score_group(pixels, owners, batch, failures) if len(owners) else None
         return None if scored is None else replace(scored, decode_ms=decode_ms)
+
+    def _engine_input(self, crops):
+        """Crops as the engine takes them: a tensor on the GPU stays there for a GPU engine;
+        any other tensor (a CPU engine, a stand-in decoder in tests) becomes a host array."""
+        if isinstance(crops, np.ndarray) or (self._crops_on_device and crops.is_cuda):
+            return crops
+        return crops.cpu().numpy()
 
     async def _warm_decoder(self) -> None:
         """The decode thread decodes once, then the engine runs those crops, before the
         replica reports ready (nvJPEG's first call and the resize kernels' loading cost
         seconds)."""
         loop = asyncio.get_running_loop()
-        crops = (await self._nvjpeg.warm()).pixels
-        if not (self._crops_on_device and crops.is_cuda):
-            crops = crops.cpu().numpy()
+        crops = self._engine_input((await self._nvjpeg.warm()).pixels)
         await loop.run_in_executor(
             self._executor, self._engine.infer_uint8, crops, self._mean, self._std
         )
@@ -463,13 +462,6 @@ def _live_rows(pixels, owners: np.ndarray, failures) -> tuple[object, np.ndarray
         return pixels, owners
     rows = np.flatnonzero(live)
     return _take_rows(pixels, rows), owners[rows]
-
-
-def _fail_jobs(failures: dict[int, Failure], owners: np.ndarray, exc: Exception) -> None:
-    """Every job with rows in `owners` fails with `exc`, unless it failed already."""
-    failure = Failure(int(code_for(exc)), message_for(exc))
-    for job in set(owners[:, 0].tolist()):
-        failures.setdefault(job, failure)
 
 
 def _take_rows(pixels, rows: np.ndarray):

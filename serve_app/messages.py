@@ -18,6 +18,7 @@ from typing import Any, Literal
 import numpy as np
 
 from engines import EngineInfo
+from serve_app.errors import code_for, message_for
 from serve_app.request_images import buffers
 
 NO_OWNERS = np.empty((0, 2), np.int32)
@@ -105,6 +106,14 @@ class StageTiming:
 class Failure:
     code: int  # google.rpc.Code
     message: str
+
+
+def fail_jobs(failures: dict[int, Failure], owners: np.ndarray, exc: Exception) -> None:
+    """Every job with rows in `owners` ((job, image) pairs) fails with `exc`, unless it
+    failed already."""
+    failure = Failure(int(code_for(exc)), message_for(exc))
+    for job in set(owners[:, 0].tolist()):
+        failures.setdefault(job, failure)
 
 
 # One image's part of its answer (serve_app/answers.py), what the ingress' result cache keeps:

@@ -23,7 +23,7 @@ from engines.repository import ModelRef, PreprocessSpec, resolve
 from serve_app.config import AppConfig
 from serve_app.decode_pool import DecodePool
 from serve_app.errors import Code, code_for, message_for
-from serve_app.messages import NO_OWNERS, Batch, Failure, StageTiming
+from serve_app.messages import NO_OWNERS, Batch, Failure, StageTiming, fail_jobs
 from serve_app.nvjpeg_queue import DECODE_BATCH, NvjpegQueue
 
 
@@ -168,22 +168,18 @@ class PreprocessStage:
         its piece."""
         import torch  # decode: gpu only
 
-        pieces = [owners[lo : lo + DECODE_BATCH] for lo in range(0, len(owners), DECODE_BATCH)]
+        starts = range(0, len(jpegs), DECODE_BATCH)
         decoded = await asyncio.gather(
-            *(
-                self._nvjpeg.decode(jpegs[lo : lo + DECODE_BATCH])
-                for lo in range(0, len(jpegs), DECODE_BATCH)
-            ),
+            *(self._nvjpeg.decode(jpegs[lo : lo + DECODE_BATCH]) for lo in starts),
             return_exceptions=True,
         )
         tensors, rows = [], []
-        for piece, crops in zip(pieces, decoded, strict=True):
+        for lo, crops in zip(starts, decoded, strict=True):
+            piece = owners[lo : lo + DECODE_BATCH]
             if isinstance(crops, BaseException):
                 if not isinstance(crops, Exception):
                     raise crops
-                failure = Failure(int(code_for(crops)), message_for(crops))
-                for job, _ in piece:
-                    failures.setdefault(job, failure)
+                fail_jobs(failures, _owners(piece), crops)
                 continue
             for index, error in crops.errors:
                 image_failures[piece[index]] = Failure(int(error.code), str(error))
