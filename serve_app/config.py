@@ -213,6 +213,11 @@ class AppConfig(_Strict):
                 "preprocess_decodes_on_gpu needs Preprocess a deployment apart from Inference "
                 "(topology chained, or groups such as [[preprocess], [inference, postprocess]])"
             )
+        if self.stage_calls != "port":  # a handle call would pickle the crops through the host
+            raise ValueError(
+                "preprocess_decodes_on_gpu needs stage_calls: port (the crops' CUDA IPC handle "
+                "travels over the replicas' ports)"
+            )
         return self
 
     @model_validator(mode="after")

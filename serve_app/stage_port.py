@@ -177,7 +177,10 @@ class PortCalls:
             if self._channels.get(address) is channel:  # not a channel opened since
                 self._in_flight[address] -= 1
         if not ok:
-            raise value
+            try:
+                raise value
+            finally:  # else the error's traceback and this frame hold each other, and the
+                del value, batch  # batch, until the garbage collector runs
         return value
 
     async def _call(self, address: str, batch: Batch) -> tuple[bool, Any]:

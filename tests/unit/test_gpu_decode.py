@@ -284,7 +284,10 @@ async def test_a_preprocess_deployment_of_its_own_decodes_and_hands_the_crops_on
 
     decoder = stand_in_nvjpeg
     config = AppConfig(
-        model_repository=model_repository, decode="gpu", preprocess_decodes_on_gpu=True
+        model_repository=model_repository,
+        decode="gpu",
+        preprocess_decodes_on_gpu=True,
+        stage_calls="port",
     )
     preprocess = await StageGroup.create(config, ("preprocess",))
     rest = await StageGroup.create(config, ("inference", "postprocess"))
@@ -313,16 +316,18 @@ async def test_a_preprocess_deployment_of_its_own_decodes_and_hands_the_crops_on
 def test_preprocess_decodes_on_gpu_only_in_a_preprocess_deployment_of_its_own(
     model_repository,
 ) -> None:
-    AppConfig(model_repository=model_repository, decode="gpu", preprocess_decodes_on_gpu=True)
+    right = {"decode": "gpu", "preprocess_decodes_on_gpu": True, "stage_calls": "port"}
+    AppConfig(model_repository=model_repository, **right)
     for wrong in (
         {"decode": "cpu"},
         {"topology": "fused"},
         {"topology": "direct"},
         {"topology": [["preprocess", "inference"], ["postprocess"]]},
         {"gpu_hybrid_decode": True},
+        {"stage_calls": "handle"},
     ):
         with pytest.raises(ValueError, match="preprocess_decodes_on_gpu needs"):
             AppConfig(
                 model_repository=model_repository,
-                **{"decode": "gpu", "preprocess_decodes_on_gpu": True, **wrong},
+                **{**right, **wrong},
             )

@@ -5,7 +5,9 @@ comes back; with no address, or a port that fails, the call goes by handle and l
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
+import weakref
 
 import grpc
 import pytest
@@ -107,6 +109,27 @@ async def test_a_stage_error_comes_back_as_itself() -> None:
         await calls.run(_batch(model="gone"))
     await calls.close()
     await port.stop(0)
+
+
+async def test_a_failed_call_lets_go_of_its_batch_at_once() -> None:
+    """The batch (crops on the GPU, under preprocess_decodes_on_gpu) is freed when the error
+    has been handled, not when the garbage collector next runs."""
+    registry = ModelRegistry(MemoryStore(), "app")
+    ((_, port),) = await _ports(registry, ["r1"])
+    calls = PortCalls(registry, "Inference", Fallback(), TOKEN)
+    calls.update(registry.ports("Inference"))
+    batch = _batch(model="gone")
+    freed = weakref.ref(batch)
+    gc.disable()
+    try:
+        with pytest.raises(ModelNotFound):
+            await calls.run(batch)
+        del batch
+        assert freed() is None
+    finally:
+        gc.enable()
+        await calls.close()
+        await port.stop(0)
 
 
 async def test_without_an_address_or_with_a_dead_port_the_call_goes_by_handle() -> None:
