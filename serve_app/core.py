@@ -30,6 +30,7 @@ from serve_app.errors import (
     InvalidArgument,
     ModelNotFound,
     Overloaded,
+    cancelled_itself,
     clip,
     code_for,
     code_name,
@@ -45,6 +46,8 @@ logger = logging.getLogger(__name__)
 # Calls sent again after losing a stage replica (_call): once covers a replica or node lost
 # mid-call; a request that itself kills replicas (say, by memory) costs at most two.
 STAGE_RETRIES = 1
+# What a call's requests get when the replica stops under it (its tasks cancelled).
+STOPPING = Failure(int(Code.UNAVAILABLE), "the server is stopping; send the request again")
 
 
 def _number(version: str) -> int:
@@ -309,7 +312,10 @@ class ServingCore:
                     Batch(jobs=tuple(item.job for item in items), model=model)
                 )
                 break
-            except Exception as exc:
+            except (Exception, asyncio.CancelledError) as exc:
+                if isinstance(exc, asyncio.CancelledError) and cancelled_itself():
+                    self._answer(items, [failed(item.job, STOPPING) for item in items])
+                    raise  # the replica is stopping; its requests are answered all the same
                 if replica_lost(exc) and attempt < STAGE_RETRIES:
                     logger.warning(
                         "a stage replica was lost during a call of %d requests (%s); "
@@ -321,6 +327,9 @@ class ServingCore:
                 failure = self._failure(exc, len(items), attempt)
                 answers = [failed(item.job, failure) for item in items]
                 break
+        self._answer(items, answers)
+
+    def _answer(self, items: list[_Pending | Part], answers: list[Answer]) -> None:
         for item, answer in zip(items, answers, strict=True):
             if isinstance(item, Part):
                 self._cache.answered(item, answer)

@@ -34,9 +34,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, Protocol, TypeVar
+
+logger = logging.getLogger(__name__)
 
 # Arrivals are counted over windows of this length: the last whole window's rate says
 # whether more requests are expected within gather_s.
@@ -219,6 +222,8 @@ class Dispatcher(Generic[P]):
 
     def _finished(self, task: asyncio.Task, spill: bool) -> None:
         self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # `call` must not raise
+            logger.error("a call raised", exc_info=task.exception())
         if spill:
             self._spilled -= 1
         else:

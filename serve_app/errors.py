@@ -97,6 +97,7 @@ _REPLICA_LOST = (
     ray_exceptions.ActorDiedError,
     ray_exceptions.ActorUnavailableError,
     ray_exceptions.RayActorError,
+    asyncio.CancelledError,
 )
 
 
@@ -110,8 +111,17 @@ def _causes(exc: BaseException | None, depth: int = 5):
 
 def replica_lost(exc: BaseException) -> bool:
     """True when `exc` (or what caused it: a chained call wraps its upstream's death) says
-    that a stage replica stopped while running the call."""
+    that a stage replica stopped while running the call. A CancelledError counts: Serve
+    cancels the calls of a replica it stops, and their callers get it bare (a caller tells
+    its own cancellation apart first: `cancelled_itself`)."""
     return any(isinstance(seen, _REPLICA_LOST) for seen in _causes(exc))
+
+
+def cancelled_itself() -> bool:
+    """Whether the running task was asked to cancel (not only a call it awaited). Python
+    3.10 cannot tell: yes."""
+    cancelling = getattr(asyncio.current_task(), "cancelling", None)
+    return cancelling is None or cancelling() > 0
 
 
 def code_for(exc: BaseException) -> Code:

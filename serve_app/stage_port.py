@@ -41,6 +41,7 @@ from typing import Any
 import grpc
 
 from serve_app import device_crops, request_images
+from serve_app.errors import cancelled_itself
 from serve_app.messages import Batch
 from serve_app.registry import ModelRegistry
 from serve_app.shared_images import ImageReader, ImageWriter, SharedImagesMissing
@@ -158,7 +159,7 @@ class PortCalls:
         try:
             ok, value = await self._call(address, batch)
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
-            if isinstance(exc, asyncio.CancelledError) and _cancelled_itself():
+            if isinstance(exc, asyncio.CancelledError) and cancelled_itself():
                 raise  # this call itself was cancelled, not its RPC
             # An RPC cancelled under a live caller: its channel closed (the address dropped
             # while it ran past CLOSE_GRACE_S). Either way the call goes by handle.
@@ -289,10 +290,3 @@ class PortCalls:
             self._drop(address)
         if self._images is not None:
             self._images.close()
-
-
-def _cancelled_itself() -> bool:
-    """Whether the running task was asked to cancel (not only an RPC it awaited). Python
-    3.10 cannot tell: yes, as before."""
-    cancelling = getattr(asyncio.current_task(), "cancelling", None)
-    return cancelling is None or cancelling() > 0

@@ -119,10 +119,15 @@ async def test_an_abandoned_request_is_not_sent(core, photos) -> None:
 
 class LosesReplicas:
     """The chain, but its first `losses` calls lose a stage replica after `after_s`: Ray's
-    ActorDiedError, wrapped as Serve wraps an upstream replica's death in a chained call."""
+    ActorDiedError, wrapped as Serve wraps an upstream replica's death in a chained call; or
+    (`cancelled`) the bare CancelledError Serve raises to a caller whose call it cancelled in
+    a replica it stops."""
 
-    def __init__(self, chain: Chain, losses: int, after_s: float = 0.0) -> None:
+    def __init__(
+        self, chain: Chain, losses: int, after_s: float = 0.0, cancelled: bool = False
+    ) -> None:
         self.chain, self.losses, self.after_s = chain, losses, after_s
+        self.cancelled = cancelled
         self.calls: list[list[str]] = []
         chain.gate.set()
 
@@ -130,6 +135,8 @@ class LosesReplicas:
         self.calls.append([job.id for job in batch.jobs])
         if len(self.calls) <= self.losses:
             await asyncio.sleep(self.after_s)
+            if self.cancelled:
+                raise asyncio.CancelledError
             lost = RayServeException("the upstream replica died")
             lost.__cause__ = ActorDiedError()
             raise lost
@@ -169,6 +176,32 @@ async def test_a_second_loss_answers_unavailable_saying_why(core, photos) -> Non
     assert answer.code == UNAVAILABLE and len(run.calls) == 2
     assert "stopped while running this request again" in answer.message
     assert "send it again" in answer.message
+
+
+async def test_a_call_cancelled_under_the_core_is_sent_again_then_answered(core, photos) -> None:
+    """Requests with no deadline: were the cancellation to escape, none would be answered."""
+    core, chain = core
+    run = LosesReplicas(chain, losses=1, cancelled=True)
+    core = _core_over(core, run)
+    answer = await asyncio.wait_for(_submit(core, Job(id="cat", images=(photos["chelsea"],))), 10)
+    assert answer.code == 0 and run.calls == [["cat"], ["cat"]]
+
+    run = LosesReplicas(chain, losses=2, cancelled=True)
+    core = _core_over(core, run)
+    answer = await asyncio.wait_for(_submit(core, Job(id="cat", images=(photos["chelsea"],))), 10)
+    assert answer.code == UNAVAILABLE and "send it again" in answer.message
+    assert core.requests_in_flight == 0
+
+
+async def test_a_core_call_cancelled_itself_answers_its_requests(core, photos) -> None:
+    """The replica stopping cancels the core's calls: their requests are answered still."""
+    core, chain = core  # the first call waits for the chain's gate
+    answer = _submit(core, Job(id="cat", images=(photos["chelsea"],)))
+    await _until(lambda: chain.calls)
+    for task in core._dispatcher("")._tasks:
+        task.cancel()
+    assert (await asyncio.wait_for(answer, 10)).code == UNAVAILABLE
+    assert core.requests_in_flight == 0
 
 
 @pytest.mark.parametrize(("spread_min_images", "calls"), [(4, [1, 2, 2]), (0, [1, 4])])
