@@ -132,6 +132,29 @@ async def test_a_failed_call_lets_go_of_its_batch_at_once() -> None:
         await port.stop(0)
 
 
+async def test_a_failing_stage_lets_go_of_the_batch_it_was_sent_at_once() -> None:
+    seen = []
+
+    async def run(batch: Batch) -> None:
+        seen.append(weakref.ref(batch))
+        raise ModelNotFound("model version 'gone' is not loaded in this replica")
+
+    registry = ModelRegistry(MemoryStore(), "app")
+    port = StagePort(run, TOKEN)
+    registry.report("Inference", "r1", [], address=await port.start("127.0.0.1"))
+    calls = PortCalls(registry, "Inference", Fallback(), TOKEN)
+    calls.update(registry.ports("Inference"))
+    gc.disable()
+    try:
+        with pytest.raises(ModelNotFound):
+            await calls.run(_batch())
+        assert seen[0]() is None
+    finally:
+        gc.enable()
+        await calls.close()
+        await port.stop(0)
+
+
 async def test_without_an_address_or_with_a_dead_port_the_call_goes_by_handle() -> None:
     registry = ModelRegistry(MemoryStore(), "app")
     fallback = Fallback()
