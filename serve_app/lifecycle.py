@@ -68,6 +68,9 @@ class ModelLifecycle:
         )
         self._task: asyncio.Task | None = None
         self._work: set[asyncio.Task] = set()  # loads and unloads (their callers may leave)
+        # one poll at a time: an unload's own poll waits for one that read the registry
+        # before it, or that one would route to the version once it is unloaded
+        self._polling = asyncio.Lock()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._follow())
@@ -82,6 +85,10 @@ class ModelLifecycle:
     async def follow_once(self) -> None:
         """Route to the versions held everywhere and wanted; stop routing the others;
         report what this ingress routes or still has in flight."""
+        async with self._polling:
+            await self._follow_once()
+
+    async def _follow_once(self) -> None:
         registry, core = self._registry, self._core
         desired = await asyncio.to_thread(registry.desired)
         missing = [k for k, state in desired.items() if state == "serve" and k not in core.models]
@@ -122,21 +129,29 @@ class ModelLifecycle:
             raise InvalidArgument(str(exc)) from None
 
     async def load(
-        self, name: str, latest: int | None = None, versions: tuple[str, ...] = ()
+        self,
+        name: str,
+        latest: int | None = None,
+        versions: tuple[str, ...] = (),
+        beside: bool = False,
     ) -> list[str]:
         """Serve the versions of `name` its policy picks, warmed everywhere before they take
-        traffic; then unload its other versions. Returns the versions served."""
+        traffic; then unload its other versions, unless `beside` (they stay). Returns the
+        versions loaded."""
         wanted = self.versions_for(name, latest, versions)
-        await self._to_the_end(self._load(name, [key_of(name, v) for v in wanted]))
+        keys = [key_of(name, v) for v in wanted]
+        await self._to_the_end(self._load(name, keys, unload_others=not beside))
         return wanted
 
-    async def _load(self, name: str, keys: list[str]) -> None:
+    async def _load(self, name: str, keys: list[str], unload_others: bool) -> None:
         async with self._locks[name]:
             await asyncio.to_thread(self._registry.set_state, keys, "serve")
             await self._until_routed(keys)
-            desired = await asyncio.to_thread(self._registry.desired)
-            others = [k for k in desired if split_key(k)[0] == name and k not in keys]
-            await self._unload(others)
+            if unload_others:
+                desired = await asyncio.to_thread(self._registry.desired)
+                await self._unload(
+                    [k for k in desired if split_key(k)[0] == name and k not in keys]
+                )
 
     async def unload(self, name: str, version: str = "") -> list[str]:
         """Stop serving `name` (every version, or `version`), without failing a request in

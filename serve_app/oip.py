@@ -384,9 +384,9 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
             name = request.model_name
             if "/" in name:  # raystream: "name/version" loads that version beside the others
                 name, version = parse_model_name(name)
-                loaded = [m.version for m in self._core.versions(name)]
-                latest, versions = None, (*loaded, version)
-            await self._models.load(name, latest, versions)
+                await self._models.load(name, versions=(version,), beside=True)
+            else:
+                await self._models.load(name, latest, versions)
         except RaystreamError as exc:
             await context.abort(grpc.StatusCode[code_name(exc.code)], str(exc))
         return oip.RepositoryModelLoadResponse()

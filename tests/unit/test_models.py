@@ -10,12 +10,15 @@ import time
 import pytest
 
 from engines.repository import ModelNotFoundError, resolve, select_versions
+from raystream.oip import grpc_predict_v2_pb2 as oip
 from serve_app.config import STAGES, AppConfig, BatchingConfig
 from serve_app.core import ServingCore
 from serve_app.errors import Code, InvalidArgument, ModelNotFound
 from serve_app.lifecycle import ModelLifecycle
 from serve_app.messages import Answer, Job
+from serve_app.oip import OpenInferenceService
 from serve_app.registry import MemoryStore, ModelRegistry
+from serve_app.streams import StreamRunner
 from serve_app.topology import StageGroup
 
 MODEL = "efficientnet-lite0"
@@ -333,6 +336,54 @@ async def test_two_ingresses_unloading_at_once_both_take_effect(
         assert ModelRegistry(store, "test").desired() == {}
         await life.follow_once()
         assert core.models == {}
+
+
+async def test_loads_of_two_versions_beside_the_others_at_once_both_take_effect(
+    two_versions, versions
+) -> None:
+    """`RepositoryModelLoad("name/version")` keeps the versions loaded: two sent at once
+    each keep the other's (neither unloads a version the other has just loaded)."""
+    old, new = versions
+    async with served(two_versions, [old]) as (core, life, _):
+        service = OpenInferenceService(core, StreamRunner(8), life)
+        await asyncio.gather(
+            *(
+                service.RepositoryModelLoad(
+                    oip.RepositoryModelLoadRequest(model_name=f"{MODEL}/{version}"), None
+                )
+                for version in (new, old)
+            )
+        )
+        await life.follow_once()
+        assert sorted(core.models) == [f"{MODEL}/{old}", f"{MODEL}/{new}"]
+
+
+async def test_a_poll_that_read_the_registry_before_an_unload_does_not_route_to_it_after(
+    two_versions, versions
+) -> None:
+    """An ingress' poll reads a version as wanted, then its unload runs while the poll waits
+    for the version's info: the poll must not route to it once the unload is done."""
+    old, new = versions
+    store = MemoryStore()
+    async with served(two_versions, [old, new], store) as (core, _, group):
+        asked, answer = asyncio.Event(), asyncio.Event()
+
+        async def slow_info(key: str):
+            asked.set()
+            await answer.wait()
+            return group.info(key)
+
+        life = ModelLifecycle(
+            core, ModelRegistry(store, "test"), {"Ingress"}, "r2", slow_info, two_versions
+        )
+        core.retire(f"{MODEL}/{new}")  # not routed here yet: the next poll routes it
+        poll = asyncio.create_task(life.follow_once())
+        await asyncio.wait_for(asked.wait(), 10)
+        unload = asyncio.create_task(life.unload(MODEL, new))
+        await asyncio.wait({unload}, timeout=2)  # unlocked, the unload ends meanwhile
+        answer.set()
+        await asyncio.wait_for(asyncio.gather(poll, unload), 20)
+        assert sorted(core.models) == [f"{MODEL}/{old}"]
 
 
 async def test_a_load_whose_client_leaves_still_runs_to_its_end(two_versions, versions) -> None:
