@@ -27,6 +27,7 @@ import logging
 import mmap
 import os
 import re
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ PREFIX = "raystream-images-"
 _NAME = re.compile(rf"^{PREFIX}(\d+)-[0-9a-f]+$")
 MIN_SEGMENT_BYTES = 32 << 20  # most calls fit one; bigger ones get a segment their size
 MAPPINGS_KEPT = 64  # segments a callee keeps mapped (the callers' in-flight calls)
+SWEEP_S = 1.0  # how often a callee drops the mappings of segments their writer removed
 
 
 class SharedImagesMissing(Exception):
@@ -145,10 +147,12 @@ class ImageWriter:
 
 class ImageReader:
     """The callee's side: the callers' segments, mapped once and kept (the least recently
-    used unmapped past MAPPINGS_KEPT)."""
+    used unmapped past MAPPINGS_KEPT, removed ones once a call comes SWEEP_S after the
+    last look)."""
 
     def __init__(self) -> None:
         self._maps: collections.OrderedDict[str, mmap.mmap] = collections.OrderedDict()
+        self._swept = time.monotonic()
 
     def restore(self, batch: Batch, where: SharedImages) -> Batch:
         """`batch` with its images copied out of the caller's segment."""
@@ -164,6 +168,8 @@ class ImageReader:
         return dataclasses.replace(batch, jobs=tuple(jobs))
 
     def _map(self, name: str) -> mmap.mmap:
+        if time.monotonic() - self._swept >= SWEEP_S:
+            self._drop_removed()
         if name in self._maps:
             self._maps.move_to_end(name)
             return self._maps[name]
@@ -181,6 +187,14 @@ class ImageReader:
         while len(self._maps) > MAPPINGS_KEPT:
             self._maps.popitem(last=False)[1].close()
         return segment
+
+    def _drop_removed(self) -> None:
+        """Unmap the segments their writer removed (grown past, dropped after a failed call,
+        its replica stopped): a removed file's memory is freed once nobody maps it, and a
+        writer never lends a removed name again."""
+        self._swept = time.monotonic()
+        for name in [name for name in self._maps if not (SHM_DIR / name).exists()]:
+            self._maps.pop(name).close()
 
     def close(self) -> None:
         for segment in self._maps.values():

@@ -59,6 +59,22 @@ def test_a_segment_is_lent_again_after_its_call_and_bounded(shm_dir) -> None:
     assert writer.put(_batch([[], []])) is None  # no images: nothing to hand over
 
 
+def test_the_reader_lets_go_of_segments_their_writer_has_removed(monkeypatch) -> None:
+    """A removed segment's memory is freed only once nobody maps it: a callee must not keep
+    the mappings of a writer that grew its segments or stopped (an ingress redeployed)."""
+    monkeypatch.setattr(shared_images, "SWEEP_S", 0.0)
+    writer, reader = ImageWriter(8 << 20), ImageReader()
+    batch = _batch([[1000]])
+    stripped, old = writer.put(batch)
+    assert reader.restore(stripped, old) == batch
+    writer.release(old.name, reuse=False)  # removed
+    stripped, new = writer.put(batch)
+    assert reader.restore(stripped, new) == batch
+    assert list(reader._maps) == [new.name]
+    writer.close()
+    reader.close()
+
+
 def test_without_shared_memory_the_call_carries_the_images(shm_dir) -> None:
     writer = ImageWriter(8 << 20)
     shm_dir.rmdir()  # no /dev/shm here (or a full one: posix_fallocate fails alike)
