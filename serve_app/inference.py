@@ -237,6 +237,13 @@ class InferenceStage:
         # one copy of the rows for the whole call, and of embeddings only where asked for
         embedding = any(job.embedding for job in live)
         outputs = Outputs.concat([p for g in scored for p in g.parts], embedding=embedding)
+        finite = np.isfinite(outputs.logits).all(axis=1) & np.isfinite(outputs.embedding).all(1)
+        if not finite.all():
+            bad_images.update(_not_finite(owners[keep & ~finite], batch.jobs))
+            batch = batch.replace(image_failures=bad_images)
+            keep &= finite
+            if not keep.any():
+                return batch.replace(owners=NO_OWNERS)
         if not keep.all():
             owners, outputs = owners[keep], outputs.take(keep)
         top_ids, top_scores = _top_k(outputs.logits, owners, batch.jobs)
@@ -448,6 +455,25 @@ def _top_k(
     top_scores = np.zeros((len(logits), k), scores.dtype)
     top_ids[wanted], top_scores[wanted] = ids, scores
     return top_ids, top_scores
+
+
+def _not_finite(owners: np.ndarray, jobs: tuple[Job, ...]) -> dict[tuple[int, int], Failure]:
+    """The failures of the images (`owners`' rows) whose outputs are NaN or inf (the model
+    overflowed), rather than NaN scores answered as OK: the client's if it sent the model
+    input itself (`pixels`), else the server's."""
+    failures = {}
+    for job, image in owners.tolist():
+        if jobs[job].pixels is not None:
+            failures[job, image] = Failure(
+                int(Code.INVALID_ARGUMENT),
+                "the model's output for these pixels is not finite (NaN or inf): are they "
+                "scaled and normalized as the model's input is?",
+            )
+        else:
+            failures[job, image] = Failure(
+                int(Code.INTERNAL), "the model's output for this image is not finite (NaN or inf)"
+            )
+    return failures
 
 
 def _live(owners: np.ndarray, failures) -> np.ndarray:

@@ -18,7 +18,7 @@ from serve_app.messages import Batch, Job
 from serve_app.topology import StageGroup
 
 MODEL = "efficientnet-lite0"
-OK, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED = 0, 4, 8
+OK, INVALID_ARGUMENT, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED = 0, 3, 4, 8
 ENGINE_S = 0.4  # each engine batch of the slow echo engine
 
 
@@ -94,6 +94,26 @@ async def test_each_request_of_a_call_gets_its_own_images_labels(
     assert _labels(together[0])[1][:2] == _labels(together[4])[2]  # coffee in both
     embedded = pb.ClassifyResponse.FromString(together[2].payload).results[0]
     assert not embedded.labels and len(embedded.embedding.values) == 1280
+
+
+async def test_pixels_the_model_overflows_on_fail_alone(group, photos, model_repository) -> None:
+    """Finite values far outside the model's range make NaN outputs: that row fails with
+    INVALID_ARGUMENT, not an OK answer of NaN scores; its request's other rows and the other
+    requests are answered."""
+    cat = model_input(model_repository, MODEL, (photos["chelsea"],))
+    huge = np.full_like(cat, 3e38)
+    jobs = (
+        Job(id="mixed", pixels=np.concatenate([cat, huge])),
+        Job(id="vector", pixels=huge, embedding=True, labels=False),
+        Job(id="cat", pixels=cat),
+    )
+    mixed, vector, alone = await group.run(Batch(jobs=jobs))
+    results = pb.ClassifyResponse.FromString(mixed.payload).results
+    assert mixed.code == OK and results[0].labels[0].class_id in range(281, 286)
+    assert results[1].error.code == INVALID_ARGUMENT and "not finite" in results[1].error.message
+    (result,) = pb.ClassifyResponse.FromString(vector.payload).results
+    assert result.error.code == INVALID_ARGUMENT and not result.embedding.values
+    assert _labels(alone) == [[label.class_id for label in results[0].labels]]
 
 
 async def test_a_full_queue_refuses_only_the_requests_that_do_not_fit(group) -> None:
