@@ -128,6 +128,11 @@ def _outputs(request: oip.ModelInferRequest, embedding_dim: int) -> tuple[OipOut
             raise InvalidArgument(
                 f"output {clip(output.name)!r}: classification must be 1 or more, got {k}"
             )
+        if k and output.name == EMBEDDING:
+            raise InvalidArgument(
+                f"output {EMBEDDING!r} has no classes to rank: ask {LABELS!r} or {SCORES!r} "
+                "for classification"
+            )
         if output.name == SCORES and not k:
             outputs.append(OipOutput(SCORES, "probabilities"))
         elif output.name == LABELS or k:

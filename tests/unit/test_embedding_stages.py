@@ -160,6 +160,23 @@ def test_v1_outputs_default_to_labels_and_refuse_unknown_values() -> None:
         v1.outputs([pb.LABELS, 7])
 
 
+def test_oip_ranks_classes_only_for_outputs_that_have_them() -> None:
+    """Triton's `classification` parameter on any output name returns labels; the embedding
+    has no classes to rank, so it is refused, not answered with labels under its name."""
+    from serve_app.oip import _outputs
+
+    request = oip.ModelInferRequest()
+    for name in ("probabilities", "top"):
+        request.outputs.add(name=name).parameters["classification"].int64_param = 3
+    assert [(o.name, o.kind, o.k) for o in _outputs(request, 1280)] == [
+        ("probabilities", "labels", 3),
+        ("top", "labels", 3),
+    ]
+    request.outputs.add(name="embedding").parameters["classification"].int64_param = 3
+    with pytest.raises(InvalidArgument, match="'embedding' has no classes to rank"):
+        _outputs(request, 1280)
+
+
 def test_embedding_bytes_parse_as_the_values() -> None:
     vector = np.random.default_rng(0).normal(size=1280).astype(np.float32)
     parsed = pb.Embedding.FromString(embedding_bytes(vector))
