@@ -149,7 +149,9 @@ async def _classify(args: argparse.Namespace) -> int:
     async with Client(
         args.server, connections=args.connections, timeout=args.timeout, **_connection(args)
     ) as client:
-        async for result in client.classify(paths, batch_size=args.batch_size, top_k=args.top_k):
+        async for result in client.classify(
+            paths, batch_size=args.batch_size, top_k=args.top_k, model=args.model
+        ):
             progress.update(1)
             failed += not result.ok
             if args.json:
@@ -389,6 +391,9 @@ def _add_stream_options(p: argparse.ArgumentParser) -> None:
     """The options of the commands that send files over one stream (classify, embed)."""
     p.add_argument("--server", default=DEFAULT_SERVER, help="host:port (default %(default)s)")
     p.add_argument("--batch-size", type=count(), default=16, help="images per request")
+    p.add_argument(
+        "--model", default="", help="NAME or NAME/VERSION (default: the server's default model)"
+    )
     p.add_argument("--timeout", type=seconds, default=None, help="stream deadline in seconds")
     p.add_argument(
         "--connections",
@@ -513,6 +518,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("query", metavar="QUERY_IMAGE", help="an image file")
     p.add_argument("--index", type=Path, required=True, help="a vector file (.parquet, .npy)")
     p.add_argument("-k", type=count(), default=5, help="neighbours to print (default 5)")
+    p.add_argument(
+        "--model",
+        default="",
+        help="NAME or NAME/VERSION that embeds the query (default: the index's model version "
+        "where the server serves it, else the server's default model)",
+    )
     p.add_argument("--server", default=DEFAULT_SERVER, help="host:port (default %(default)s)")
     p.add_argument("--timeout", type=seconds, default=30.0, help="seconds (default 30)")
     _add_connection_options(p)

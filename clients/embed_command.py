@@ -117,14 +117,34 @@ def nearest(vectors: np.ndarray, query: np.ndarray, k: int) -> list[tuple[int, f
     return [(int(row), float(scores[row])) for row in rows]
 
 
-async def _model(client, server: str):
-    info = await client.model_info()
+async def _model(client, server: str, model: str = ""):
+    """What serves `model` ("name", "name/version"; empty: the default model), which must
+    have an embedding output."""
+    info = await client.model_info(model)
     if not info.embedding_dim:
         raise EmbedError(
             f"the model served at {server} ({info.name} version {info.version}) has no "
             f"embedding output; export a new version with `raystream export` and serve it"
         )
     return info
+
+
+async def _index_model(client, index: Vectors) -> str:
+    """The index's model version ("name/version") where it holds one and the server serves
+    it (the query is then embedded in the index's space); else "" (the default model)."""
+    import grpc
+
+    versions = set(zip(index.model, index.version, strict=True))
+    if len(versions) != 1:
+        return ""
+    model = "/".join(versions.pop())
+    try:
+        await client.model_info(model)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.NOT_FOUND:
+            raise
+        return ""
+    return model
 
 
 async def embed(args: argparse.Namespace, paths: list[Path], connection: dict) -> int:
@@ -141,8 +161,10 @@ async def embed(args: argparse.Namespace, paths: list[Path], connection: dict) -
     async with Client(
         args.server, connections=args.connections, timeout=args.timeout, **connection
     ) as client:
-        info = await _model(client, args.server)
-        async for result in client.embed(paths, batch_size=args.batch_size):
+        info = await _model(client, args.server, args.model)
+        # every vector from the version named in the file, even if another is loaded meanwhile
+        pinned = f"{info.name}/{info.version}"
+        async for result in client.embed(paths, batch_size=args.batch_size, model=pinned):
             progress.update(1)
             if result.ok:
                 good[str(result.key)] = result.vector
@@ -184,8 +206,9 @@ async def similar(args: argparse.Namespace, connection: dict) -> int:
     if not query.is_file():
         raise EmbedError(f"{query}: no such file")
     async with Client(args.server, timeout=args.timeout, **connection) as client:
-        info = await _model(client, args.server)
-        (result,) = [r async for r in client.embed([query])]
+        info = await _model(client, args.server, args.model or await _index_model(client, index))
+        pinned = f"{info.name}/{info.version}"
+        (result,) = [r async for r in client.embed([query], model=pinned)]
     if not result.ok:
         raise EmbedError(f"{query}: {status_name(result.error_code)}: {result.error}")
     same = np.array([space == info.embedding_space for space in index.embedding_space])

@@ -17,7 +17,7 @@ from PIL import Image
 from clients.client import Client
 from raystream.v1 import classifier_pb2 as pb
 
-from conftest import ROOT, cosines, encode
+from conftest import ROOT, cosines, encode, start_app
 
 pytestmark = pytest.mark.slow
 INVALID_ARGUMENT = 3
@@ -214,3 +214,46 @@ def test_similar_refuses_an_index_of_another_embedding_space(server, tmp_path, p
     done = _cli("similar", str(query), "--index", str(index), "--server", server)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "embedding space m/1/sha256:0" in done.stderr and "do not compare" in done.stderr
+
+
+def test_embed_and_similar_keep_to_one_model_version(
+    ray_cluster, two_versions, model, catalogue, tmp_path
+) -> None:
+    """During a migration, two versions served: `embed --model NAME/VERSION` writes that
+    version's vectors, and `similar` embeds its query with the index's version, not with
+    the default (the highest), whose vectors would not compare."""
+    from ray import serve
+
+    from clients.embed_command import read_vectors
+
+    name, new = model.spec.name, model.spec.version
+    old = str(int(new) - 1)
+    port, _ = start_app(
+        "versions",
+        two_versions,
+        topology="fused",
+        engine={"kind": "onnxruntime"},
+        models=[{"name": name, "versions": [old, new]}],
+    )
+    server = f"127.0.0.1:{port}"
+    try:
+        photos = tmp_path / "photos"
+        photos.mkdir()
+        for photo in ("coffee.jpg", "chelsea.jpg", "rocket.jpg"):
+            (photos / photo).write_bytes((catalogue / photo).read_bytes())
+        index = tmp_path / "old.npy"
+        pin = ("--model", f"{name}/{old}", "--server", server)
+        done = _cli("embed", str(photos), "--out", str(index), *pin)
+        assert done.returncode == 0, done.stderr
+        assert set(read_vectors(index).version) == {old}
+        query = tmp_path / "query.jpg"
+        query.write_bytes(altered((photos / "coffee.jpg").read_bytes()))
+        found = _cli("similar", str(query), "--index", str(index), "--server", server)
+        assert found.returncode == 0, found.stderr
+        assert Path(found.stdout.splitlines()[1].split()[2]).name == "coffee.jpg", found.stdout
+        pinned = _cli("classify", str(photos), *pin)
+        assert pinned.returncode == 0, pinned.stderr
+        missing = _cli("classify", str(photos), "--model", f"{name}/99", "--server", server)
+        assert missing.returncode == 1 and "NOT_FOUND" in missing.stdout, missing.stdout
+    finally:
+        serve.delete("versions")
