@@ -181,11 +181,12 @@ class ServingCore:
         then refused: check_id), so no answer or log line grows with it."""
         return request_id[: self._limits.max_request_id_chars]
 
-    def check_id(self, request_id: str) -> None:
+    def check_id(self, request_id: str, field: str = "request_id") -> None:
+        """`field`: what the protocol calls the id (OIP: `id`)."""
         limit = self._limits.max_request_id_chars
         if len(request_id) > limit:
             raise InvalidArgument(
-                f"request_id is {len(request_id)} characters, over the limit of {limit}; "
+                f"{field} is {len(request_id)} characters, over the limit of {limit}; "
                 f"the answer carries its first {limit}"
             )
 

@@ -175,7 +175,7 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
 
     def _job(self, request: oip.ModelInferRequest, context, flow: str) -> tuple[Job, float | None]:
         core = self._core
-        core.check_id(request.id)
+        core.check_id(request.id, field="id")
         model = core.check_model(request.model_name, request.model_version, default=False)
         names = [i.name for i in request.inputs]
         if names not in ([INPUT], [PIXELS]):
