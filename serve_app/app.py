@@ -109,6 +109,10 @@ class Stages:
     def reconfigure(self, user_config: dict) -> None:
         self._group.reconfigure(user_config)
 
+    def check_health(self) -> None:
+        """Serve's health check: fails while an engine call is stuck (StageGroup)."""
+        self._group.check_health()
+
     async def __del__(self) -> None:
         # Serve calls it when it stops the replica: stop polling the registry and the next
         # group's addresses first, so that no poll runs into the process's shutdown; calls

@@ -63,6 +63,8 @@ class LimitsConfig(_Strict):
     max_request_pixels: int = Field(200_000_000, ge=1)
     max_in_flight_requests: int = Field(4096, ge=1)  # all streams and calls; past it: refused
     drain_timeout_s: float = Field(10.0, ge=0.0)  # shutdown: time to answer what was read
+    # An engine call running longer fails the replica's health check: Serve replaces it
+    engine_stall_timeout_s: float = Field(120.0, gt=0.0)
 
 
 class SecurityConfig(_Strict):

@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -129,6 +130,7 @@ class InferenceStage:
         self._engine = await asyncio.to_thread(_warm_engine, config, model)
         cpu = self._engine.info.device == "cpu"
         self._executor = ThreadPoolExecutor(MAX_CONCURRENT_BATCHES, thread_name_prefix="engine")
+        self._engine_calls: dict[int, float] = {}  # engine thread -> when its call started
         self._batching = BatchingConfig()
         self._refused: str | None = None  # the last user_config refused, and why
         self._metrics = InferenceMetrics()
@@ -377,10 +379,17 @@ class InferenceStage:
             pixels = np.concatenate(pieces)
         loop = asyncio.get_running_loop()
         if kind == "float32":
-            outputs = await loop.run_in_executor(self._executor, self._engine.infer, pixels)
+            outputs = await loop.run_in_executor(
+                self._executor, self._watched, self._engine.infer, pixels
+            )
         else:
             outputs = await loop.run_in_executor(
-                self._executor, self._engine.infer_uint8, pixels, self._mean, self._std
+                self._executor,
+                self._watched,
+                self._engine.infer_uint8,
+                pixels,
+                self._mean,
+                self._std,
             )
         inference_ms = ms_since(start)
         self.images_inferred += len(pixels)
@@ -390,6 +399,20 @@ class InferenceStage:
             _Ran(outputs.rows(lo, hi), start, inference_ms, len(pixels))
             for lo, hi in itertools.pairwise(bounds)
         ]
+
+    def _watched(self, call: Callable[..., R], *args) -> R:
+        """`call(*args)` on an engine thread, noted while it runs (`stalled_s`)."""
+        thread = threading.get_ident()
+        self._engine_calls[thread] = time.monotonic()
+        try:
+            return call(*args)
+        finally:
+            del self._engine_calls[thread]
+
+    def stalled_s(self) -> float:
+        """How long the oldest engine call still running has run; 0 if none runs."""
+        started = tuple(self._engine_calls.values())  # a copy: engine threads change it
+        return time.monotonic() - min(started) if started else 0.0
 
     # -- decode: gpu --------------------------------------------------------------------------
 

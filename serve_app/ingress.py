@@ -160,6 +160,11 @@ class Ingress:
             )
         self._local.reconfigure(user_config)
 
+    def check_health(self) -> None:
+        """Serve's health check: in topology direct, fails while an engine call is stuck."""
+        if self._local is not None:
+            self._local.check_health()
+
     def batching(self) -> dict:
         """topology direct: the batching settings in force (Inference.batching otherwise)."""
         if self._local is None:

@@ -278,6 +278,20 @@ class StageGroup:
             self._registry.report, self._deployment, self._replica, holds, failed, self._address
         )
 
+    def check_health(self) -> None:
+        """Raises where an engine call has run past `limits.engine_stall_timeout_s`: the
+        engine is stuck (a hung GPU or runtime), and Serve replaces a replica whose health
+        check fails; the calls it held are sent again elsewhere (serve_app/core.py)."""
+        limit = self._config.limits.engine_stall_timeout_s
+        for key, stages in self.models.items():
+            if stages.inference is not None and (ran := stages.inference.stalled_s()) > limit:
+                message = (
+                    f"model {key}: an engine call has run for {ran:.0f} s, past "
+                    f"limits.engine_stall_timeout_s ({limit:g} s); the engine is stuck"
+                )
+                logger.error(message)
+                raise RuntimeError(message)
+
     def stop(self) -> None:
         """Stop following the registry (tests; a replica follows until it stops)."""
         for task in (self._follow_task, self._sync_task):

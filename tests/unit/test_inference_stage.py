@@ -59,6 +59,29 @@ async def test_a_short_deadline_fails_only_its_own_request(slow_group, photos, i
     assert (await busy)[0].code == OK
 
 
+async def test_an_engine_call_past_the_stall_timeout_fails_the_health_check(
+    model_repository,
+) -> None:
+    """Serve replaces a replica whose health check fails: it fails while an engine call has
+    run past limits.engine_stall_timeout_s, and passes again once no call is stuck."""
+    config = AppConfig(
+        model_repository=model_repository,
+        engine={"kind": "echo", "options": {"delay_ms": 1500}},
+        limits={"engine_stall_timeout_s": 0.3},
+    )
+    group = await StageGroup.create(config, STAGES)
+    group.check_health()  # idle
+    call = asyncio.ensure_future(group.run(Batch(jobs=(Job(id="a", pixels=_pixels(1)),))))
+    await asyncio.sleep(0.1)
+    group.check_health()  # running, not yet past the timeout
+    await asyncio.sleep(0.4)
+    with pytest.raises(RuntimeError, match=r"engine call has run for .* the engine is stuck"):
+        group.check_health()
+    assert (await call)[0].code == OK
+    group.check_health()
+    group.stop()
+
+
 @pytest.fixture(scope="module")
 async def group(model_repository) -> StageGroup:
     """The real model on ONNX Runtime."""
