@@ -109,8 +109,9 @@ class Stages:
     def reconfigure(self, user_config: dict) -> None:
         self._group.reconfigure(user_config)
 
-    def check_health(self) -> None:
-        """Serve's health check: fails while an engine call is stuck (StageGroup)."""
+    async def check_health(self) -> None:
+        """Serve's health check: fails while an engine or nvJPEG call is stuck (StageGroup).
+        On the event loop, where the group's models change, not on Serve's threads."""
         self._group.check_health()
 
     async def __del__(self) -> None:

@@ -16,7 +16,6 @@ import asyncio
 import itertools
 import logging
 import os
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +34,7 @@ from serve_app.errors import Code
 from serve_app.messages import NO_OWNERS, Batch, Failure, Job, StageTiming, fail_jobs
 from serve_app.metrics import InferenceMetrics
 from serve_app.nvjpeg_queue import DECODE_BATCH, NvjpegQueue
+from serve_app.stall_watch import StallWatch
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -130,7 +130,7 @@ class InferenceStage:
         self._engine = await asyncio.to_thread(_warm_engine, config, model)
         cpu = self._engine.info.device == "cpu"
         self._executor = ThreadPoolExecutor(MAX_CONCURRENT_BATCHES, thread_name_prefix="engine")
-        self._engine_calls: dict[int, float] = {}  # engine thread -> when its call started
+        self._watch = StallWatch()  # the engine calls running (limits.engine_stall_timeout_s)
         self._batching = BatchingConfig()
         self._refused: str | None = None  # the last user_config refused, and why
         self._metrics = InferenceMetrics()
@@ -380,12 +380,12 @@ class InferenceStage:
         loop = asyncio.get_running_loop()
         if kind == "float32":
             outputs = await loop.run_in_executor(
-                self._executor, self._watched, self._engine.infer, pixels
+                self._executor, self._watch.run, self._engine.infer, pixels
             )
         else:
             outputs = await loop.run_in_executor(
                 self._executor,
-                self._watched,
+                self._watch.run,
                 self._engine.infer_uint8,
                 pixels,
                 self._mean,
@@ -400,19 +400,10 @@ class InferenceStage:
             for lo, hi in itertools.pairwise(bounds)
         ]
 
-    def _watched(self, call: Callable[..., R], *args) -> R:
-        """`call(*args)` on an engine thread, noted while it runs (`stalled_s`)."""
-        thread = threading.get_ident()
-        self._engine_calls[thread] = time.monotonic()
-        try:
-            return call(*args)
-        finally:
-            del self._engine_calls[thread]
-
     def stalled_s(self) -> float:
-        """How long the oldest engine call still running has run; 0 if none runs."""
-        started = tuple(self._engine_calls.values())  # a copy: engine threads change it
-        return time.monotonic() - min(started) if started else 0.0
+        """How long the oldest engine or nvJPEG call still running has run; 0 if none runs."""
+        decoding = self._nvjpeg.stalled_s() if self._nvjpeg is not None else 0.0
+        return max(self._watch.stalled_s(), decoding)
 
     # -- decode: gpu --------------------------------------------------------------------------
 

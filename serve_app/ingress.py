@@ -160,8 +160,9 @@ class Ingress:
             )
         self._local.reconfigure(user_config)
 
-    def check_health(self) -> None:
-        """Serve's health check: in topology direct, fails while an engine call is stuck."""
+    async def check_health(self) -> None:
+        """Serve's health check: in topology direct, fails while an engine or nvJPEG call is
+        stuck (StageGroup); Serve then replaces this replica, its streams with it."""
         if self._local is not None:
             self._local.check_health()
 

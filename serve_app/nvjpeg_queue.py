@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from engines.repository import PreprocessSpec
 from serve_app.batching import DynamicBatcher
 from serve_app.config import AppConfig
+from serve_app.stall_watch import StallWatch
 
 # JPEGs per nvJPEG call. One decode thread takes everything queued (calls from every ingress
 # replica) up to this: torchvision decodes under a process-wide lock anyway, and on an H200
@@ -43,6 +44,7 @@ class NvjpegQueue:
             hybrid_min_jpegs=DECODE_BATCH,
         )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="nvjpeg")
+        self._watch = StallWatch()
         self._queue = DynamicBatcher(
             self._decode_many, len, max_batch_size=DECODE_BATCH, max_queued=1 << 30
         )
@@ -58,10 +60,16 @@ class NvjpegQueue:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._decoder.warmup)
 
+    def stalled_s(self) -> float:
+        """How long the decode running now has run; 0 if none runs."""
+        return self._watch.stalled_s()
+
     async def close(self) -> None:
         self._executor.shutdown(wait=False)
         await self._queue.close()
 
     async def _decode_many(self, pieces: list[list[bytes]]) -> list:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._decoder.crops_many, pieces)
+        return await loop.run_in_executor(
+            self._executor, self._watch.run, self._decoder.crops_many, pieces
+        )

@@ -64,6 +64,10 @@ class PreprocessStage:
         if self._nvjpeg is not None:
             await self._nvjpeg.close()
 
+    def stalled_s(self) -> float:
+        """How long its nvJPEG decode running now has run; 0 if none runs (or none here)."""
+        return self._nvjpeg.stalled_s() if self._nvjpeg is not None else 0.0
+
     def _cost(self, data: bytes) -> int:
         return preprocessing.decode_cost(data, self._spec, self._limits)
 

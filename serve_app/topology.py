@@ -279,15 +279,17 @@ class StageGroup:
         )
 
     def check_health(self) -> None:
-        """Raises where an engine call has run past `limits.engine_stall_timeout_s`: the
-        engine is stuck (a hung GPU or runtime), and Serve replaces a replica whose health
-        check fails; the calls it held are sent again elsewhere (serve_app/core.py)."""
+        """Raises where an engine or nvJPEG call has run past `limits.engine_stall_timeout_s`:
+        it is stuck (a hung GPU or runtime), and Serve replaces a replica whose health check
+        fails; the calls it held are sent again elsewhere (serve_app/core.py)."""
         limit = self._config.limits.engine_stall_timeout_s
-        for key, stages in self.models.items():
-            if stages.inference is not None and (ran := stages.inference.stalled_s()) > limit:
+        stages = [(f"model {key}", s.inference) for key, s in self.models.items() if s.inference]
+        stages += [("preprocess", stage) for stage in self._preprocess.values()]
+        for name, stage in stages:
+            if (ran := stage.stalled_s()) > limit:
                 message = (
-                    f"model {key}: an engine call has run for {ran:.0f} s, past "
-                    f"limits.engine_stall_timeout_s ({limit:g} s); the engine is stuck"
+                    f"{name}: a GPU or engine call has run for {ran:.0f} s, past "
+                    f"limits.engine_stall_timeout_s ({limit:g} s); it is stuck"
                 )
                 logger.error(message)
                 raise RuntimeError(message)
