@@ -154,14 +154,16 @@ class InferenceStage:
         logger.info("engine ready: %s", self._engine.info)
 
     async def close(self) -> None:
-        """Release the engine (unload): after the batches already handed to its threads.
-        The batchers' workers stop, and with decode: gpu the decode thread."""
+        """Release the engine (unload) once the batches already on its threads are done:
+        the batchers' workers stop (what they held fails UNAVAILABLE), and with decode: gpu
+        the decode thread. A batch stuck in the engine holds the close, and the health
+        check sees it (StageGroup.check_health)."""
         closing = [batcher.close() for batcher in self._batchers.values()]
         if self._nvjpeg is not None:
             closing.append(self._nvjpeg.close())
         await asyncio.gather(*closing)
-        self._executor.submit(self._engine.close)
-        self._executor.shutdown(wait=False)
+        await asyncio.to_thread(self._executor.shutdown)  # waits for the batches running
+        await asyncio.to_thread(self._engine.close)
 
     @property
     def info(self) -> EngineInfo:

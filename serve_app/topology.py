@@ -231,6 +231,7 @@ class StageGroup:
         group._registry, group._deployment, group._replica = registry, deployment, replica
         group._address = address
         group.models: dict[str, ModelStages] = {}
+        group._unloading: dict[str, ModelStages] = {}  # still watched while they close
         group.failed: dict[str, str] = {}
         group._preprocess: dict[PreprocessSpec, PreprocessStage] = {}
         group._user_config: dict | None = None
@@ -265,7 +266,11 @@ class StageGroup:
                 self.models[key].inference.reconfigure(self._user_config)
             logger.info("model %s loaded", key)
         for key in [key for key in self.models if key not in wanted]:
-            await self.models.pop(key).close()
+            self._unloading[key] = self.models.pop(key)
+            try:
+                await self._unloading[key].close()  # waits for the batches its engine runs
+            finally:
+                del self._unloading[key]
             logger.info("model %s unloaded", key)
         for key in [key for key in self.failed if key not in wanted]:
             del self.failed[key]  # asked again later: tried again
@@ -283,7 +288,8 @@ class StageGroup:
         it is stuck (a hung GPU or runtime), and Serve replaces a replica whose health check
         fails; the calls it held are sent again elsewhere (serve_app/core.py)."""
         limit = self._config.limits.engine_stall_timeout_s
-        stages = [(f"model {key}", s.inference) for key, s in self.models.items() if s.inference]
+        held = {**self.models, **self._unloading}
+        stages = [(f"model {key}", s.inference) for key, s in held.items() if s.inference]
         stages += [("preprocess", stage) for stage in self._preprocess.values()]
         for name, stage in stages:
             if (ran := stage.stalled_s()) > limit:

@@ -15,10 +15,11 @@ from clients.loadgen import model_input
 from raystream.v1 import classifier_pb2 as pb
 from serve_app.config import STAGES, AppConfig
 from serve_app.messages import Batch, Job
+from serve_app.registry import MemoryStore, ModelRegistry
 from serve_app.topology import StageGroup
 
 MODEL = "efficientnet-lite0"
-OK, INVALID_ARGUMENT, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED = 0, 3, 4, 8
+OK, INVALID_ARGUMENT, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE = 0, 3, 4, 8, 14
 ENGINE_S = 0.4  # each engine batch of the slow echo engine
 
 
@@ -79,6 +80,32 @@ async def test_an_engine_call_past_the_stall_timeout_fails_the_health_check(
         group.check_health()
     assert (await call)[0].code == OK
     group.check_health()
+    group.stop()
+
+
+async def test_a_version_unloading_behind_a_stuck_engine_call_still_fails_the_health_check(
+    model_repository,
+) -> None:
+    """An unload waits for the batches its engine runs: while one is stuck, the version is
+    gone from the routed models but its engine is still watched."""
+    config = AppConfig(
+        model_repository=model_repository,
+        engine={"kind": "echo", "options": {"delay_ms": 1500}},
+        limits={"engine_stall_timeout_s": 0.3},
+    )
+    registry = ModelRegistry(MemoryStore(), "test")
+    group = await StageGroup.create(config, STAGES, registry, "Inference", "r1")
+    (key,) = group.models
+    call = asyncio.ensure_future(group.run(Batch(jobs=(Job(id="a", pixels=_pixels(1)),))))
+    await asyncio.sleep(0.1)
+    registry.remove([key])
+    await asyncio.sleep(0.6)  # the group follows the registry every POLL_S (0.25 s)
+    assert key not in group.models
+    with pytest.raises(RuntimeError, match=rf"model {key}: a GPU or engine call has run"):
+        group.check_health()
+    assert (await call)[0].code == UNAVAILABLE  # its version went while it ran
+    await asyncio.sleep(1.0)  # the engine call ends, then the close
+    group.check_health()  # closed: nothing left to watch
     group.stop()
 
 
