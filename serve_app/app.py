@@ -106,7 +106,7 @@ class Stages:
         its engine (the group that holds inference answers)."""
         return self._group.info(key)
 
-    def reconfigure(self, user_config: dict) -> None:
+    async def reconfigure(self, user_config: dict) -> None:
         self._group.reconfigure(user_config)
 
     async def check_health(self) -> None:

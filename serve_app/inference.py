@@ -30,7 +30,7 @@ from engines import scores as postprocessing
 from engines.repository import ModelRef
 from serve_app.batching import DynamicBatcher
 from serve_app.config import AppConfig, BatchingConfig
-from serve_app.errors import Code
+from serve_app.errors import Code, Unavailable
 from serve_app.messages import NO_OWNERS, Batch, Failure, Job, StageTiming, fail_jobs
 from serve_app.metrics import InferenceMetrics
 from serve_app.nvjpeg_queue import DECODE_BATCH, NvjpegQueue
@@ -130,6 +130,7 @@ class InferenceStage:
         self._engine = await asyncio.to_thread(_warm_engine, config, model)
         cpu = self._engine.info.device == "cpu"
         self._executor = ThreadPoolExecutor(MAX_CONCURRENT_BATCHES, thread_name_prefix="engine")
+        self._closed = False  # unloaded (close)
         self._watch = StallWatch()  # the engine calls running (limits.engine_stall_timeout_s)
         self._batching = BatchingConfig()
         self._refused: str | None = None  # the last user_config refused, and why
@@ -158,12 +159,17 @@ class InferenceStage:
         the batchers' workers stop (what they held fails UNAVAILABLE), and with decode: gpu
         the decode thread. A batch stuck in the engine holds the close, and the health
         check sees it (StageGroup.check_health)."""
+        self._closed = True  # what @serve.batch (batcher: serve) still holds fails too
         closing = [batcher.close() for batcher in self._batchers.values()]
         if self._nvjpeg is not None:
             closing.append(self._nvjpeg.close())
         await asyncio.gather(*closing)
-        await asyncio.to_thread(self._executor.shutdown)  # waits for the batches running
-        await asyncio.to_thread(self._engine.close)
+        # shielded: a replica stopping mid-unload (its sync task cancelled) still closes it
+        await asyncio.shield(asyncio.to_thread(self._release))
+
+    def _release(self) -> None:
+        self._executor.shutdown()  # waits for the batches running
+        self._engine.close()
 
     @property
     def info(self) -> EngineInfo:
@@ -369,6 +375,8 @@ class InferenceStage:
 
     async def _run_engine(self, pieces: list) -> list[_Ran]:
         """One engine batch from several pieces; its outputs split back per piece."""
+        if self._closed:
+            raise Unavailable("the model version was unloaded before this request's batch ran")
         start = time.perf_counter()
         kind = _kind(pieces[0])
         if len(pieces) == 1:

@@ -152,7 +152,7 @@ class Ingress:
     async def _local_info(self, key: str) -> Served:
         return self._local.info(key)
 
-    def reconfigure(self, user_config: dict) -> None:
+    async def reconfigure(self, user_config: dict) -> None:
         if self._local is None:
             raise ValueError(
                 "Ingress takes a user_config only in topology: direct; put batching "

@@ -65,8 +65,9 @@ class NvjpegQueue:
         return self._watch.stalled_s()
 
     async def close(self) -> None:
-        self._executor.shutdown(wait=False)
+        """Once the decode running now is done (it stays watched until then)."""
         await self._queue.close()
+        await asyncio.shield(asyncio.to_thread(self._executor.shutdown))
 
     async def _decode_many(self, pieces: list[list[bytes]]) -> list:
         loop = asyncio.get_running_loop()

@@ -124,3 +124,56 @@ async def test_version_migration_loses_no_request_and_never_switches(
     assert all(not a.error_message for a in outcomes[:first_refused])
     states = {(m.version, m.state) for m in index.models}
     assert states == {(old, "UNAVAILABLE"), (new, "READY")}
+
+
+async def test_requests_held_by_serve_batch_when_their_version_unloads_get_unavailable(
+    ray_cluster, two_versions, model, photos
+) -> None:
+    """`batcher: serve` (Ray Serve's @serve.batch, which needs a real replica) holds
+    requests that an unload cannot cancel: past the drain they fail UNAVAILABLE (send
+    again), as the default batcher's do, and never INTERNAL."""
+    from ray import serve
+
+    from serve_app.config import AppConfig
+    from serve_app.ingress import Ingress
+
+    new = model.spec.version
+    old = str(int(new) - 1)
+    config = AppConfig(
+        model_repository=two_versions,
+        port=0,
+        topology="direct",
+        engine={"kind": "echo", "options": {"delay_ms": 800}},
+        models=[{"name": MODEL, "versions": [old, new]}],
+        limits={"drain_timeout_s": 0},
+    )
+    serve.start(proxy_location="Disabled")
+    handle = serve.run(
+        Ingress.options(user_config={"batcher": "serve"}).bind(config.model_dump(mode="json")),
+        name="unload-serve-batch",
+        route_prefix=None,
+    )
+    try:
+        port = await handle.port.remote()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            v1 = pb_grpc.ImageClassifierStub(channel)
+            repository = oip_grpc.GRPCInferenceServiceStub(channel)
+            requests = [
+                pb.ClassifyRequest(
+                    request_id=str(i), images=[photos["chelsea"]], model=f"{MODEL}/{old}"
+                )
+                for i in range(12)
+            ]
+            stream = v1.Classify(iter(requests))
+            await asyncio.sleep(0.3)  # two engine batches run (800 ms each), the rest wait
+            await repository.RepositoryModelUnload(
+                oip.RepositoryModelUnloadRequest(model_name=f"{MODEL}/{old}")
+            )
+            answers = [answer async for answer in stream]
+        assert sorted(int(a.request_id) for a in answers) == list(range(12))
+        codes = sorted(a.error.code for a in answers)
+        assert set(codes) <= {0, grpc.StatusCode.UNAVAILABLE.value[0]}, [
+            a.error.message for a in answers
+        ]
+    finally:
+        serve.delete("unload-serve-batch")
