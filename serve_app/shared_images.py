@@ -210,11 +210,11 @@ def remove_orphans() -> None:
         return
     for name in names:
         found = _NAME.match(name)
-        if found and not _alive(int(found.group(1))):
+        if found and not alive(int(found.group(1))):
             (SHM_DIR / name).unlink(missing_ok=True)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -9,8 +9,9 @@ whole micro-batches, but at small batches (one-image requests, low load) those c
 a large part of an image's CPU and latency. So, with `stage_calls: port`, each stage replica
 also serves its `run` on a port of its own (StagePort) and reports the address with its
 models in the registry (serve_app/registry.py); a caller (PortCalls) sends each batch,
-pickled, to the replica of the next deployment with the fewest of its own calls in flight
-among those that report holding the batch's model version (the images in it through shared
+pickled, to the least busy replica of the next deployment (by the images it holds for all
+callers where it is on this node, serve_app/load_board.py) among those that report holding
+the batch's model version (the images in it through shared
 memory where that replica is on the caller's node: serve_app/shared_images.py). A replica
 that has started since a version was loaded, and loads it still, then takes no request
 for it.
@@ -42,6 +43,7 @@ import grpc
 
 from serve_app import device_crops, request_images
 from serve_app.errors import Code, cancelled_itself, code_for
+from serve_app.load_board import LoadBoard, LoadSlot
 from serve_app.messages import Batch
 from serve_app.registry import ModelRegistry
 from serve_app.shared_images import ImageReader, ImageWriter, SharedImagesMissing
@@ -66,6 +68,7 @@ class StagePort:
         self._run, self._token = run, token.encode()
         self._server: grpc.aio.Server | None = None
         self._images = ImageReader()
+        self._load: LoadSlot | None = None  # the images held, for callers on this node
         self.address = ""
         self.calls = 0  # calls answered (tests: the port, not the handle, carried them)
 
@@ -80,6 +83,7 @@ class StagePort:
             raise RuntimeError(f"cannot bind a stage port on {host}")
         await self._server.start()
         self.address = f"{host}:{port}"
+        self._load = LoadSlot(self.address)
         return self.address
 
     async def _call(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -87,16 +91,24 @@ class StagePort:
         token = dict(context.invocation_metadata() or ()).get(TOKEN_KEY, "")
         if not hmac.compare_digest(token.encode(), self._token):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "not a stage call of this app")
+        images = 0
         try:
+            batch = self._batch_of(request)
+            images = sum(job.count for job in batch.jobs)
+            self._load.add(images)
+            running = self._run(batch)
             # no reference to the batch kept here: its crops on the GPU (another process'
             # memory) are let go of as soon as the stages are done with them
-            reply = (True, await self._run(self._batch_of(request)))
+            del batch
+            reply = (True, await running)
         except Exception as exc:
             if code_for(exc) == Code.INTERNAL:  # a bug: its traceback stays here, in the log
                 logger.exception("a stage call failed")
             # sent without its traceback, which holds the stages' frames (so the batch) and
             # this one, until the garbage collector runs
             reply = (False, exc.with_traceback(None))
+        finally:
+            self._load.add(-images)
         self.calls += 1
         try:
             return pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
@@ -113,6 +125,8 @@ class StagePort:
         if self._server is not None:
             await self._server.stop(grace=grace_s)
         self._images.close()
+        if self._load is not None:
+            self._load.close()
 
 
 class PortCalls:
@@ -139,7 +153,8 @@ class PortCalls:
         self._crops_as_bytes: set[str] = set()  # addresses that could not open our GPU's
         self._channels: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
         self._open: dict[str, grpc.aio.Channel] = {}
-        self._in_flight: dict[str, int] = {}
+        self._in_flight: dict[str, int] = {}  # address -> this caller's images in its calls
+        self._board = LoadBoard()  # the images each replica on this node holds
         self._holds: Mapping[str, Collection[str]] = {}  # address -> model versions held
         self._refresh_task: asyncio.Task | None = None
         self._following = True  # reading the addresses (until the replica stops)
@@ -158,7 +173,8 @@ class PortCalls:
         if address is None:
             self.by_handle += 1
             return await self._fallback(device_crops.on_host(batch))
-        self._in_flight[address] += 1
+        images = sum(job.count for job in batch.jobs)
+        self._in_flight[address] += images
         channel = self._channels[address]
         try:
             ok, value = await self._call(address, batch)
@@ -180,7 +196,7 @@ class PortCalls:
             return await self._fallback(device_crops.on_host(batch))
         finally:
             if self._channels.get(address) is channel:  # not a channel opened since
-                self._in_flight[address] -= 1
+                self._in_flight[address] -= images
         if not ok:
             try:
                 raise value
@@ -240,16 +256,24 @@ class PortCalls:
         return pickle.loads(await self._channels[address](request, metadata=self._metadata))
 
     def _pick(self, model: str = "") -> str | None:
-        """The address with the fewest of this caller's calls in flight (ties at random),
-        among those that report holding `model` where any does."""
+        """The least busy address (ties at random), among those that report holding `model`
+        where any does: by the images it holds for every caller where it publishes them on
+        this node (serve_app/load_board.py), and by this caller's own images in flight to
+        it (the calls sent that it has not read yet, or all of them on another node)."""
         if not self._in_flight:
             return None
-        candidates = self._in_flight
+        candidates = list(self._in_flight)
         if model:
-            holding = {a: n for a, n in candidates.items() if model in self._holds.get(a, ())}
+            holding = [a for a in candidates if model in self._holds.get(a, ())]
             candidates = holding or candidates
-        fewest = min(candidates.values())
-        return random.choice([a for a, n in candidates.items() if n == fewest])
+        loads = [self._load(address) for address in candidates]
+        least = min(loads)
+        return random.choice([a for a, n in zip(candidates, loads, strict=True) if n == least])
+
+    def _load(self, address: str) -> int:
+        own = self._in_flight[address]
+        published = self._board.images(address) if self._on_this_node(address) else None
+        return own if published is None else max(own, published)
 
     def update(self, ports: Mapping[str, Collection[str]]) -> None:
         """The stage ports reported (address -> the model versions it holds): open channels
@@ -267,6 +291,7 @@ class PortCalls:
     def _drop(self, address: str) -> None:
         self._channels.pop(address, None)
         self._in_flight.pop(address, None)
+        self._board.forget(address)
         channel = self._open.pop(address, None)
         if channel is not None:  # calls still in flight on it get CLOSE_GRACE_S to finish
             task = asyncio.ensure_future(channel.close(grace=CLOSE_GRACE_S))

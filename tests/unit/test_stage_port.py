@@ -399,3 +399,50 @@ async def test_crops_on_the_gpu_go_to_another_node_as_bytes(monkeypatch) -> None
     assert seen == ["host crops"] and port.calls == 1
     await calls.close()
     await port.stop(0)
+
+
+class HeldStage(Stage):
+    """A replica whose calls for job "hold" wait until `release` is set."""
+
+    def __init__(self, name: str, release: asyncio.Event) -> None:
+        super().__init__(name)
+        self.release = release
+
+    async def run(self, batch: Batch) -> list[str]:
+        if batch.jobs[0].id == "hold":
+            self.running += 1
+            await self.release.wait()
+            self.running -= 1
+        return [self.name, *(job.id for job in batch.jobs)]
+
+
+async def test_a_caller_avoids_the_replica_another_caller_keeps_busy() -> None:
+    """Two callers on one node (two ingress replicas): while one caller's call of 64 images
+    holds a replica, the other, with nothing of its own in flight, sends every call to the
+    replica that holds none (it reads the load the busy one publishes)."""
+    registry = ModelRegistry(MemoryStore(), "app")
+    release = asyncio.Event()
+    stages, ports = [HeldStage(name, release) for name in ("r1", "r2")], []
+    for stage in stages:
+        port = StagePort(stage.run, TOKEN)
+        registry.report("Inference", stage.name, [], address=await port.start("127.0.0.1"))
+        ports.append(port)
+    busy_caller, idle_caller = (
+        PortCalls(registry, "Inference", Fallback(), TOKEN, node="127.0.0.1") for _ in range(2)
+    )
+    for calls in (busy_caller, idle_caller):
+        calls.update(registry.ports("Inference"))
+    held = asyncio.ensure_future(
+        busy_caller.run(Batch(jobs=(Job(id="hold", images=(b"jpeg",) * 64),)))
+    )
+    while not any(stage.running for stage in stages):
+        await asyncio.sleep(0.01)
+    idle = next(stage.name for stage in stages if not stage.running)
+    answers = [await idle_caller.run(_batch()) for _ in range(10)]
+    assert [answer[0] for answer in answers] == [idle] * 10
+    release.set()
+    assert (await held)[1] == "hold"
+    for calls in (busy_caller, idle_caller):
+        await calls.close()
+    for port in ports:
+        await port.stop(0)

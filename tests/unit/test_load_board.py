@@ -1,0 +1,46 @@
+"""Stage replicas' loads in shared memory (serve_app/load_board.py): what a stage port
+publishes, a caller on the node reads; a slot goes when its port closes or its process dies."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+
+from serve_app.load_board import LoadBoard, LoadSlot, remove_orphans, slot_name
+from serve_app.shared_images import SHM_DIR
+
+
+def test_a_caller_reads_the_images_a_replica_holds_until_it_closes() -> None:
+    slot, board = LoadSlot("127.0.0.1:50001"), LoadBoard()
+    assert board.images("127.0.0.1:50001") == 0
+    slot.add(64)
+    slot.add(8)
+    assert board.images("127.0.0.1:50001") == 72
+    slot.add(-64)
+    assert board.images("127.0.0.1:50001") == 8
+    slot.close()
+    assert not (SHM_DIR / slot_name("127.0.0.1:50001")).exists()
+    board.forget("127.0.0.1:50001")  # the address dropped: not mapped again until it reports
+    assert board.images("127.0.0.1:50001") is None
+    board.close()
+
+
+def test_an_address_that_publishes_nothing_here_reads_none() -> None:
+    assert LoadBoard().images("10.1.2.3:4567") is None
+
+
+def test_the_slots_of_dead_processes_are_removed() -> None:
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    orphan = SHM_DIR / slot_name("127.0.0.1:50002")
+    orphan.write_bytes(struct.pack("<qq", int(dead.stdout), 5))
+    live = LoadSlot("127.0.0.1:50003")
+    remove_orphans()
+    assert not orphan.exists()
+    assert (SHM_DIR / slot_name("127.0.0.1:50003")).exists()
+    live.close()
