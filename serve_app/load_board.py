@@ -58,7 +58,9 @@ class LoadSlot:
             _LAYOUT.pack_into(self._map, 0, os.getpid(), self.images)
 
     def close(self) -> None:
+        """The port is stopped: it holds nothing (a caller still mapping the file reads 0)."""
         if self._map is not None:
+            _LAYOUT.pack_into(self._map, 0, os.getpid(), 0)
             self._map.close()
             self._map = None
             self._path.unlink(missing_ok=True)

@@ -19,7 +19,8 @@ def test_a_caller_reads_the_images_a_replica_holds_until_it_closes() -> None:
     assert board.images("127.0.0.1:50001") == 72
     slot.add(-64)
     assert board.images("127.0.0.1:50001") == 8
-    slot.close()
+    slot.close()  # a caller that has not dropped the address yet reads that it holds nothing
+    assert board.images("127.0.0.1:50001") == 0
     assert not (SHM_DIR / slot_name("127.0.0.1:50001")).exists()
     board.forget("127.0.0.1:50001")  # the address dropped: not mapped again until it reports
     assert board.images("127.0.0.1:50001") is None
