@@ -68,7 +68,9 @@ class LoadSlot:
 
 class LoadBoard:
     """The caller's side: `images(address)` a replica on this node holds now, or None where
-    it publishes none here (another node, or not started yet: asked again next time)."""
+    it publishes none here (another node, or not started yet: asked again next time). A
+    file stays mapped until `forget` or `close`: the caller closes the board at each read of
+    the replicas' addresses, so a new replica on a stopped one's address is read within it."""
 
     def __init__(self) -> None:
         self._maps: dict[str, mmap.mmap] = {}

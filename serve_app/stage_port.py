@@ -277,8 +277,10 @@ class PortCalls:
 
     def update(self, ports: Mapping[str, Collection[str]]) -> None:
         """The stage ports reported (address -> the model versions it holds): open channels
-        to new addresses, close those no longer reported."""
+        to new addresses, close those no longer reported. The load files are mapped anew
+        (a replica started since on an address of one that stopped has a file of its own)."""
         self._holds = ports
+        self._board.close()
         addresses = set(ports)
         for address in addresses - self._channels.keys():
             channel = grpc.aio.insecure_channel(address, options=MESSAGE_OPTIONS)

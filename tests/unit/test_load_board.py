@@ -45,3 +45,17 @@ def test_the_slots_of_dead_processes_are_removed() -> None:
     assert not orphan.exists()
     assert (SHM_DIR / slot_name("127.0.0.1:50003")).exists()
     live.close()
+
+
+def test_a_new_replica_on_a_stopped_ones_address_is_read_once_mapped_anew() -> None:
+    old, board = LoadSlot("127.0.0.1:50004"), LoadBoard()
+    old.add(3)
+    assert board.images("127.0.0.1:50004") == 3
+    old.close()
+    new = LoadSlot("127.0.0.1:50004")  # a file of its own
+    new.add(7)
+    assert board.images("127.0.0.1:50004") == 0  # the old file, still mapped
+    board.close()  # as PortCalls does at each read of the addresses
+    assert board.images("127.0.0.1:50004") == 7
+    new.close()
+    board.close()
