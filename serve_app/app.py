@@ -62,7 +62,7 @@ class Stages:
         self._port = None
         self._port_calls_here = 0  # port calls in this group's own stages (autoscaling)
         if config.stage_calls == "port":
-            self._port = StagePort(self._run_port_call, config.stage_token)
+            self._port = StagePort(self._run_port_call, config.stage_token, then=self._pass_on)
             await self._port.start(ray.util.get_node_ip_address())
         self._group = await StageGroup.create(
             config,
@@ -88,17 +88,19 @@ class Stages:
         self.memory_bytes = self._group.memory_bytes
 
     async def run(self, batch: Batch) -> Batch | list[Answer]:
-        batch = await self._group.run(batch)
-        return batch if self._next is None else await self._next.run(batch)
+        return await self._pass_on(await self._group.run(batch))
 
-    async def _run_port_call(self, batch: Batch) -> Batch | list[Answer]:
-        """`run` for a call over the port, counted while this group's own stages hold it
-        (Serve's autoscaler, serve_app/autoscaling.py), not while the next group runs it."""
+    async def _run_port_call(self, batch: Batch) -> Batch:
+        """This group's part of a call over the port, counted while its own stages hold it
+        (Serve's autoscaler, serve_app/autoscaling.py); the port then passes the result on
+        (`_pass_on`), no longer counted."""
         self._port_calls_here += 1
         try:
-            batch = await self._group.run(batch)
+            return await self._group.run(batch)
         finally:
             self._port_calls_here -= 1
+
+    async def _pass_on(self, batch: Batch) -> Batch | list[Answer]:
         return batch if self._next is None else await self._next.run(batch)
 
     async def info(self, key: str = "") -> Served:

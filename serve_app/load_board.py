@@ -1,14 +1,15 @@
-"""How busy each stage replica on this node is, for its callers: the images its stage port
-holds (received, not yet answered), published in shared memory.
+"""How busy each stage replica on this node is, for its callers: the images its own stages
+hold (received over its stage port, not yet passed on), published in shared memory.
 
 A caller (serve_app/stage_port.py, PortCalls) picks the replica for each call. Its own calls
 in flight tell it nothing of the other callers' (six ingress replicas share twelve Inference
 replicas in `deploy/serve_config.gpu.yaml`), so two callers can load one replica while
 another idles, and the request that waits behind them sets the latency tail. Each stage port
 therefore writes the images it holds into a small file in /dev/shm named by its address
-(LoadSlot); a caller on the same node maps it once and reads it at each pick (LoadBoard), a
-few hundred nanoseconds. Replicas on other nodes publish nowhere the caller can read: for
-them the caller counts its own calls only, as Ray Serve's router would without probing.
+(LoadSlot), counted as a call arrives, before it is read; a caller on the same node maps it
+and reads it at each pick (LoadBoard), a few hundred nanoseconds. Replicas on other nodes
+publish nowhere the caller can read: where the candidates span nodes, the caller counts its
+own images in flight only.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 import mmap
 import os
 import struct
+from pathlib import Path
 
 from serve_app.shared_images import SHM_DIR, alive
 
@@ -41,16 +43,9 @@ class LoadSlot:
         self._path = SHM_DIR / slot_name(address)
         remove_orphans()
         try:
-            fd = os.open(self._path, os.O_CREAT | os.O_TRUNC | os.O_RDWR, 0o600)
+            self._map = _publish(self._path)
         except OSError as exc:
             logger.warning("cannot publish this stage port's load (%s)", exc)
-            return
-        try:
-            os.ftruncate(fd, _LAYOUT.size)
-            self._map = mmap.mmap(fd, _LAYOUT.size)
-        finally:
-            os.close(fd)
-        _LAYOUT.pack_into(self._map, 0, os.getpid(), 0)
 
     def add(self, images: int) -> None:
         self.images += images
@@ -64,6 +59,25 @@ class LoadSlot:
             self._map.close()
             self._map = None
             self._path.unlink(missing_ok=True)
+
+
+def _publish(path: Path) -> mmap.mmap:
+    """A new file at `path` holding this process' pid and 0 images, mapped. Made aside and
+    moved into place: a caller mapping an earlier file there keeps reading that one; and
+    its memory is reserved first, so a full /dev/shm fails here, not as SIGBUS later."""
+    aside = path.with_name(f"{path.name}.{os.getpid()}.new")
+    fd = os.open(aside, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, _LAYOUT.size)
+        slot = mmap.mmap(fd, _LAYOUT.size)
+        _LAYOUT.pack_into(slot, 0, os.getpid(), 0)
+        os.replace(aside, path)
+        return slot
+    except BaseException:
+        aside.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
 
 
 class LoadBoard:

@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 SERVICE, METHOD = "raystream.internal.Stage", "Run"
 TOKEN_KEY = "x-raystream-stage-token"
+IMAGES_KEY = "x-raystream-images"  # the call's images: the callee counts them before reading it
 # Calls carry whole batches: tens of MB where requests are large.
 MESSAGE_OPTIONS = [
     ("grpc.max_receive_message_length", 1 << 30),
@@ -62,10 +63,17 @@ CLOSE_GRACE_S = 30.0
 
 
 class StagePort:
-    """A stage replica's own grpc.aio server for stage calls: `run(batch)` on its loop."""
+    """A stage replica's own grpc.aio server for stage calls: `run(batch)` on its loop, then
+    `then(result)` (the call to the next group) where given; the images a call brings count
+    as this replica's load (serve_app/load_board.py) while `run` has them."""
 
-    def __init__(self, run: Callable[[Batch], Awaitable[Any]], token: str) -> None:
-        self._run, self._token = run, token.encode()
+    def __init__(
+        self,
+        run: Callable[[Batch], Awaitable[Any]],
+        token: str,
+        then: Callable[[Any], Awaitable[Any]] | None = None,
+    ) -> None:
+        self._run, self._then, self._token = run, then, token.encode()
         self._server: grpc.aio.Server | None = None
         self._images = ImageReader()
         self._load: LoadSlot | None = None  # the images held, for callers on this node
@@ -88,27 +96,27 @@ class StagePort:
 
     async def _call(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """The batch's result, or the exception the stage raised (re-raised by the caller)."""
-        token = dict(context.invocation_metadata() or ()).get(TOKEN_KEY, "")
-        if not hmac.compare_digest(token.encode(), self._token):
+        metadata = dict(context.invocation_metadata() or ())
+        if not hmac.compare_digest(metadata.get(TOKEN_KEY, "").encode(), self._token):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "not a stage call of this app")
-        images = 0
+        # counted before the call is read, so that other callers see it at once
+        images = int(metadata.get(IMAGES_KEY, "0") or 0)
+        self._load.add(images)
         try:
-            batch = self._batch_of(request)
-            images = sum(job.count for job in batch.jobs)
-            self._load.add(images)
-            running = self._run(batch)
-            # no reference to the batch kept here: its crops on the GPU (another process'
-            # memory) are let go of as soon as the stages are done with them
-            del batch
-            reply = (True, await running)
+            try:
+                running = self._run(self._batch_of(request))
+                # no reference to the batch kept here: its crops on the GPU (another
+                # process' memory) are let go of as soon as the stages are done with them
+                result = await running
+            finally:
+                self._load.add(-images)
+            reply = (True, result if self._then is None else await self._then(result))
         except Exception as exc:
             if code_for(exc) == Code.INTERNAL:  # a bug: its traceback stays here, in the log
                 logger.exception("a stage call failed")
             # sent without its traceback, which holds the stages' frames (so the batch) and
             # this one, until the garbage collector runs
             reply = (False, exc.with_traceback(None))
-        finally:
-            self._load.add(-images)
         self.calls += 1
         try:
             return pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
@@ -252,28 +260,34 @@ class PortCalls:
         return address.rsplit(":", 1)[0] == self._node
 
     async def _send(self, address: str, message: Batch | tuple) -> tuple[bool, Any]:
+        batch = message[0] if isinstance(message, tuple) else message
+        images = ((IMAGES_KEY, str(sum(job.count for job in batch.jobs))),)
         request = request_images.dumps(message)
-        return pickle.loads(await self._channels[address](request, metadata=self._metadata))
+        metadata = self._metadata + images
+        return pickle.loads(await self._channels[address](request, metadata=metadata))
 
     def _pick(self, model: str = "") -> str | None:
         """The least busy address (ties at random), among those that report holding `model`
-        where any does: by the images it holds for every caller where it publishes them on
-        this node (serve_app/load_board.py), and by this caller's own images in flight to
-        it (the calls sent that it has not read yet, or all of them on another node)."""
+        where any does. Where every candidate is on this node and publishes its load
+        (serve_app/load_board.py): by the images it holds for all its callers, or this
+        caller's own in flight to it if more (sent, not yet read). Otherwise by this
+        caller's own images alone: the load of another node's replicas is not seen here,
+        and beside the others' it would read as idle."""
         if not self._in_flight:
             return None
         candidates = list(self._in_flight)
         if model:
             holding = [a for a in candidates if model in self._holds.get(a, ())]
             candidates = holding or candidates
-        loads = [self._load(address) for address in candidates]
+        loads = [self._in_flight[address] for address in candidates]
+        published = [
+            self._board.images(address) if self._on_this_node(address) else None
+            for address in candidates
+        ]
+        if None not in published:
+            loads = [max(own, seen) for own, seen in zip(loads, published, strict=True)]
         least = min(loads)
         return random.choice([a for a, n in zip(candidates, loads, strict=True) if n == least])
-
-    def _load(self, address: str) -> int:
-        own = self._in_flight[address]
-        published = self._board.images(address) if self._on_this_node(address) else None
-        return own if published is None else max(own, published)
 
     def update(self, ports: Mapping[str, Collection[str]]) -> None:
         """The stage ports reported (address -> the model versions it holds): open channels

@@ -1,10 +1,9 @@
 """A bounded soak at 3x the measured capacity: the real model on ONNX Runtime, open-loop
 Poisson arrivals over several streams for a minute (RAYSTREAM_SOAK_S; bench/soak.sh runs it
 for longer). Every request is answered exactly once (a result, or RESOURCE_EXHAUSTED at
-once), the server never holds more requests than it admits, a refusal comes before the
-admitted requests' answers (it waits for nothing), and the resident memory of the ingress
-and inference processes stays within a small bound. No absolute latency is asserted: this
-box's speed and whatever else runs on it set that."""
+once), a refusal comes before the admitted requests' answers (it waits for nothing), and
+the resident memory of the ingress and inference processes stays within a small bound. No
+absolute latency is asserted: this box's speed and whatever else runs on it set that."""
 
 from __future__ import annotations
 
@@ -89,13 +88,9 @@ async def test_three_times_capacity_for_a_while(soak_server, photos) -> None:
         )
     )
     memory: list[tuple[int, int]] = []
-    held: list[int] = []  # the requests in the server, sampled through the soak
-    measured_at = start
     while not load.done():
-        await asyncio.sleep(0.5)
-        held.append(await ingress.requests_in_flight.remote())
-        if time.perf_counter() - start >= WARMUP_S and time.perf_counter() >= measured_at:
-            measured_at = time.perf_counter() + 5.0
+        await asyncio.sleep(5.0)
+        if time.perf_counter() - start >= WARMUP_S:
             memory.append(
                 (await ingress.memory_bytes.remote(), await inference.memory_bytes.remote())
             )
@@ -114,14 +109,12 @@ async def test_three_times_capacity_for_a_while(soak_server, photos) -> None:
     print(
         f"\nsoak {SOAK_S:.0f}s at {3 * capacity.requests_per_s:.1f} req/s "
         f"(3x capacity {capacity.images_per_s:.1f} img/s): {codes[OK]} admitted, "
-        f"p50/p99 {np.percentile(admitted, 50):.0f}/{np.percentile(admitted, 99):.0f} ms "
-        f"(most held {max(held)}); {codes[RESOURCE_EXHAUSTED]} refused, p99 "
+        f"p50/p99 {np.percentile(admitted, 50):.0f}/{np.percentile(admitted, 99):.0f} ms; "
+        f"{codes[RESOURCE_EXHAUSTED]} refused, p99 "
         f"{np.percentile(refused, 99):.1f} ms; memory MiB ingress "
         f"{memory[0][0] / 2**20:.0f}->{memory[-1][0] / 2**20:.0f}, inference "
         f"{memory[0][1] / 2**20:.0f}->{memory[-1][1] / 2**20:.0f}"
     )
-    # Admission holds: the queue never grows past the limit, however long the overload.
-    assert max(held) <= MAX_IN_FLIGHT_REQUESTS
     # A refusal waits for nothing: it comes before most admitted answers do.
     assert np.percentile(refused, 99) < np.percentile(admitted, 50)
     assert max(growth) <= MEMORY_BOUND_BYTES, growth

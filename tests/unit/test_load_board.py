@@ -7,11 +7,20 @@ import struct
 import subprocess
 import sys
 
+import pytest
+
+from serve_app import load_board
 from serve_app.load_board import LoadBoard, LoadSlot, remove_orphans, slot_name
-from serve_app.shared_images import SHM_DIR
 
 
-def test_a_caller_reads_the_images_a_replica_holds_until_it_closes() -> None:
+@pytest.fixture(autouse=True)
+def shm(tmp_path, monkeypatch):
+    """The slots in a folder of the test's own, not beside live servers' in /dev/shm."""
+    monkeypatch.setattr(load_board, "SHM_DIR", tmp_path)
+    return tmp_path
+
+
+def test_a_caller_reads_the_images_a_replica_holds_until_it_closes(shm) -> None:
     slot, board = LoadSlot("127.0.0.1:50001"), LoadBoard()
     assert board.images("127.0.0.1:50001") == 0
     slot.add(64)
@@ -21,7 +30,7 @@ def test_a_caller_reads_the_images_a_replica_holds_until_it_closes() -> None:
     assert board.images("127.0.0.1:50001") == 8
     slot.close()  # a caller that has not dropped the address yet reads that it holds nothing
     assert board.images("127.0.0.1:50001") == 0
-    assert not (SHM_DIR / slot_name("127.0.0.1:50001")).exists()
+    assert not (shm / slot_name("127.0.0.1:50001")).exists()
     board.forget("127.0.0.1:50001")  # the address dropped: not mapped again until it reports
     assert board.images("127.0.0.1:50001") is None
     board.close()
@@ -31,19 +40,19 @@ def test_an_address_that_publishes_nothing_here_reads_none() -> None:
     assert LoadBoard().images("10.1.2.3:4567") is None
 
 
-def test_the_slots_of_dead_processes_are_removed() -> None:
+def test_the_slots_of_dead_processes_are_removed(shm) -> None:
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
         capture_output=True,
         text=True,
         check=True,
     )
-    orphan = SHM_DIR / slot_name("127.0.0.1:50002")
+    orphan = shm / slot_name("127.0.0.1:50002")
     orphan.write_bytes(struct.pack("<qq", int(dead.stdout), 5))
     live = LoadSlot("127.0.0.1:50003")
     remove_orphans()
     assert not orphan.exists()
-    assert (SHM_DIR / slot_name("127.0.0.1:50003")).exists()
+    assert (shm / slot_name("127.0.0.1:50003")).exists()
     live.close()
 
 

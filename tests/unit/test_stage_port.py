@@ -14,6 +14,7 @@ import pytest
 
 from serve_app import device_crops, shared_images
 from serve_app.errors import ModelNotFound
+from serve_app.load_board import LoadBoard
 from serve_app.messages import Batch, Job
 from serve_app.registry import MemoryStore, ModelRegistry
 from serve_app.stage_port import METHOD, SERVICE, TOKEN_KEY, PortCalls, StagePort
@@ -435,8 +436,11 @@ async def test_a_caller_avoids_the_replica_another_caller_keeps_busy() -> None:
     held = asyncio.ensure_future(
         busy_caller.run(Batch(jobs=(Job(id="hold", images=(b"jpeg",) * 64),)))
     )
-    while not any(stage.running for stage in stages):
+    for _ in range(500):  # the held call reaches its replica (at most 5 s)
+        if any(stage.running for stage in stages):
+            break
         await asyncio.sleep(0.01)
+    assert any(stage.running for stage in stages)
     idle = next(stage.name for stage in stages if not stage.running)
     answers = [await idle_caller.run(_batch()) for _ in range(10)]
     assert [answer[0] for answer in answers] == [idle] * 10
@@ -446,3 +450,36 @@ async def test_a_caller_avoids_the_replica_another_caller_keeps_busy() -> None:
         await calls.close()
     for port in ports:
         await port.stop(0)
+
+
+async def test_a_replica_publishes_no_load_once_its_calls_failed_or_returned() -> None:
+    registry = ModelRegistry(MemoryStore(), "app")
+    ((_, port),) = await _ports(registry, ["r1"])
+    calls = PortCalls(registry, "Inference", Fallback(), TOKEN, node="127.0.0.1")
+    calls.update(registry.ports("Inference"))
+    board = LoadBoard()
+    with pytest.raises(ModelNotFound):
+        await calls.run(_batch(model="gone"))
+    assert board.images(port.address) == 0
+    assert (await calls.run(_batch()))[0] == "r1"
+    assert board.images(port.address) == 0
+    board.close()
+    await calls.close()
+    await port.stop(0)
+
+
+async def test_beside_a_replica_on_another_node_the_caller_counts_its_own_images() -> None:
+    """Another node's replica publishes no load here: beside a local one's published load
+    it would read as idle, so where the candidates span nodes only the caller's own images
+    count; where all are local, the published loads do."""
+    calls = PortCalls(
+        ModelRegistry(MemoryStore(), "app"), "Inference", Fallback(), TOKEN, node="10.0.0.1"
+    )
+    calls._board.images = lambda address: 50 if address == "10.0.0.1:1" else 0
+    calls.update({"10.0.0.1:1": [], "10.0.0.2:1": []})
+    calls._in_flight.update({"10.0.0.1:1": 1, "10.0.0.2:1": 2})
+    assert {calls._pick() for _ in range(20)} == {"10.0.0.1:1"}
+    calls.update({"10.0.0.1:1": [], "10.0.0.1:2": []})
+    calls._in_flight.update({"10.0.0.1:1": 1, "10.0.0.1:2": 2})
+    assert {calls._pick() for _ in range(20)} == {"10.0.0.1:2"}
+    await calls.close()
