@@ -270,7 +270,7 @@ class PortCalls:
         """The least busy address (ties at random), among those that report holding `model`
         where any does. Where every candidate is on this node and publishes its load
         (serve_app/load_board.py): by the images it holds for all its callers, or this
-        caller's own in flight to it if more (sent, not yet read). Otherwise by this
+        caller's own in flight to it if more (sent, not arrived yet). Otherwise by this
         caller's own images alone: the load of another node's replicas is not seen here,
         and beside the others' it would read as idle."""
         if not self._in_flight:
