@@ -9,12 +9,11 @@ whole micro-batches, but at small batches (one-image requests, low load) those c
 a large part of an image's CPU and latency. So, with `stage_calls: port`, each stage replica
 also serves its `run` on a port of its own (StagePort) and reports the address with its
 models in the registry (serve_app/registry.py); a caller (PortCalls) sends each batch,
-pickled, to the least busy replica of the next deployment (by the images it holds for all
-callers where it is on this node, serve_app/load_board.py) among those that report holding
-the batch's model version (the images in it through shared
-memory where that replica is on the caller's node: serve_app/shared_images.py). A replica
-that has started since a version was loaded, and loads it still, then takes no request
-for it.
+pickled, to the least busy replica of the next deployment among those that report holding
+the batch's model version (by the images each holds for all its callers where they are all
+on the caller's node: serve_app/load_board.py), the images in it through shared memory
+where that replica is on the caller's node (serve_app/shared_images.py). A replica that
+has started since a version was loaded, and loads it still, then takes no request for it.
 
 Serve still places, starts, scales, stops and health-checks the replicas; the handles still
 carry everything else (what is served, model lifecycle). A call goes by handle when
