@@ -155,6 +155,10 @@ class Batch:
         arrays = (self.crops, self.top_ids, self.top_scores, self.probabilities, self.embeddings)
         return total + sum(array.nbytes for array in arrays if array is not None)
 
+    def image_count(self) -> int:
+        """The images of its requests (a stage replica's load: serve_app/load_board.py)."""
+        return sum(job.count for job in self.jobs)
+
     def live_jobs(self) -> list[int]:
         return [i for i in range(len(self.jobs)) if i not in self.job_failures]
 

@@ -180,7 +180,7 @@ class PortCalls:
         if address is None:
             self.by_handle += 1
             return await self._fallback(device_crops.on_host(batch))
-        images = sum(job.count for job in batch.jobs)
+        images = batch.image_count()
         self._in_flight[address] += images
         channel = self._channels[address]
         try:
@@ -260,9 +260,8 @@ class PortCalls:
 
     async def _send(self, address: str, message: Batch | tuple) -> tuple[bool, Any]:
         batch = message[0] if isinstance(message, tuple) else message
-        images = ((IMAGES_KEY, str(sum(job.count for job in batch.jobs))),)
+        metadata = (*self._metadata, (IMAGES_KEY, str(batch.image_count())))
         request = request_images.dumps(message)
-        metadata = self._metadata + images
         return pickle.loads(await self._channels[address](request, metadata=metadata))
 
     def _pick(self, model: str = "") -> str | None:
