@@ -278,12 +278,10 @@ class PortCalls:
             holding = [a for a in candidates if model in self._holds.get(a, ())]
             candidates = holding or candidates
         loads = [self._in_flight[address] for address in candidates]
-        published = [
-            self._board.images(address) if self._on_this_node(address) else None
-            for address in candidates
-        ]
-        if None not in published:
-            loads = [max(own, seen) for own, seen in zip(loads, published, strict=True)]
+        if all(self._on_this_node(address) for address in candidates):
+            published = [self._board.images(address) for address in candidates]
+            if None not in published:
+                loads = [max(own, seen) for own, seen in zip(loads, published, strict=True)]
         least = min(loads)
         return random.choice([a for a, n in zip(candidates, loads, strict=True) if n == least])
 
