@@ -184,7 +184,7 @@ class PortCalls:
         self._in_flight[address] += images
         channel = self._channels[address]
         try:
-            ok, value = await self._call(address, batch)
+            ok, value = await self._call(address, batch, images)
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
             if isinstance(exc, asyncio.CancelledError) and cancelled_itself():
                 raise  # this call itself was cancelled, not its RPC
@@ -211,12 +211,12 @@ class PortCalls:
                 del value, batch  # batch, until the garbage collector runs
         return value
 
-    async def _call(self, address: str, batch: Batch) -> tuple[bool, Any]:
-        """One call over the port; crops on the GPU by CUDA IPC where the replica can open
-        them (serve_app/device_crops.py), else their bytes."""
+    async def _call(self, address: str, batch: Batch, images: int) -> tuple[bool, Any]:
+        """One call over the port, of `images` images; crops on the GPU by CUDA IPC where
+        the replica can open them (serve_app/device_crops.py), else their bytes."""
         if address in self._crops_as_bytes or not self._on_this_node(address):
-            return await self._call_with_images(address, device_crops.on_host(batch))
-        ok, value = await self._call_with_images(address, batch)
+            return await self._call_with_images(address, device_crops.on_host(batch), images)
+        ok, value = await self._call_with_images(address, batch, images)
         if ok or not isinstance(value, device_crops.CropsNotHere):
             return ok, value
         logger.warning(
@@ -226,9 +226,9 @@ class PortCalls:
             value,
         )
         self._crops_as_bytes.add(address)
-        return await self._call_with_images(address, device_crops.on_host(batch))
+        return await self._call_with_images(address, device_crops.on_host(batch), images)
 
-    async def _call_with_images(self, address: str, batch: Batch) -> tuple[bool, Any]:
+    async def _call_with_images(self, address: str, batch: Batch, images: int) -> tuple[bool, Any]:
         """The images through shared memory where the replica is on this node, in the call
         otherwise (and again in the call if it cannot map them)."""
         shared = None
@@ -238,7 +238,7 @@ class PortCalls:
         if shared is not None:
             name = shared[1].name
             try:
-                ok, value = await self._send(address, shared)
+                ok, value = await self._send(address, shared, images)
             except BaseException:  # the callee may still read it: not lent again
                 self._images.release(name, reuse=False)
                 raise
@@ -253,14 +253,13 @@ class PortCalls:
                 value,
             )
             self._unshared.add(address)
-        return await self._send(address, batch)
+        return await self._send(address, batch, images)
 
     def _on_this_node(self, address: str) -> bool:
         return address.rsplit(":", 1)[0] == self._node
 
-    async def _send(self, address: str, message: Batch | tuple) -> tuple[bool, Any]:
-        batch = message[0] if isinstance(message, tuple) else message
-        metadata = (*self._metadata, (IMAGES_KEY, str(batch.image_count())))
+    async def _send(self, address: str, message: Batch | tuple, images: int) -> tuple[bool, Any]:
+        metadata = (*self._metadata, (IMAGES_KEY, str(images)))
         request = request_images.dumps(message)
         return pickle.loads(await self._channels[address](request, metadata=metadata))
 
