@@ -1,8 +1,9 @@
 """What one call between two Ray processes costs, with no work on either side: a Serve
 deployment calling another through a DeploymentHandle (by value over Serve's gRPC transport,
-and through Ray's object store, as raystream's stage calls go), against a plain Ray actor
-calling another, and against the two Serve replicas calling over a grpc.aio port of the
-callee's own (raw bytes). For each: calls/s with `--in-flight` calls outstanding, each call's
+and through Ray's object store, as `stage_calls: handle` goes), against a plain Ray actor
+calling another, and against the two Serve replicas calling over a port of the callee's own:
+raystream's framed link (serve_app/call_link.py, as `stage_calls: port` goes) and a grpc.aio
+unary method (raw bytes). For each: calls/s with `--in-flight` calls outstanding, each call's
 latency, and the CPU of the calling and the called process per call (every thread, from
 /proc).
 
@@ -31,7 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import run  # bench/run.py (this script's folder): how it reads a process' CPU
 
 from clients.local_ray import loopback_env
-from serve_app.stage_port import MESSAGE_OPTIONS  # the stage ports' message limits
+from serve_app.call_link import Link, LinkServer
+
+MESSAGE_OPTIONS = [
+    ("grpc.max_receive_message_length", 1 << 30),
+    ("grpc.max_send_message_length", 1 << 30),
+]
+TOKEN = b"call cost"
 
 
 def cpu_s(pid: int) -> float:
@@ -66,8 +73,8 @@ ECHO_METHOD = "/callcost.Echo/Echo"
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
 class Callee:
-    """Answers handle calls, and the same over a grpc.aio server of its own (raw bytes, no
-    protobuf): what a stage replica's own data-plane port would cost."""
+    """Answers handle calls, and the same over a link server and a grpc.aio server of its
+    own (raw bytes, no protobuf)."""
 
     async def __init__(self) -> None:
         async def echo(payload: bytes, context) -> bytes:
@@ -81,6 +88,12 @@ class Callee:
         self._port = self._server.add_insecure_port("127.0.0.1:0")
         await self._server.start()
 
+        async def answer(payload: bytes, images: int) -> bytes:
+            return str(len(payload)).encode()
+
+        self._link_server = LinkServer(answer, TOKEN)
+        self._link_port = await self._link_server.start("127.0.0.1")
+
     async def __call__(self, payload: bytes) -> int:
         return len(payload)
 
@@ -89,6 +102,9 @@ class Callee:
 
     def port(self) -> int:
         return self._port
+
+    def link_port(self) -> int:
+        return self._link_port
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
@@ -117,6 +133,18 @@ class Caller:
                 return int(await echo(payload))
 
             return await drive(call, b"x" * (kb * 1024), in_flight, seconds)
+
+    async def run_link(self, kb: int, in_flight: int, seconds: float) -> dict:
+        """The same calls over one framed link to the callee's own port."""
+        link = Link(f"127.0.0.1:{await self._callee.link_port.remote()}", TOKEN)
+
+        async def call(payload: bytes) -> int:
+            return int(await link.call(payload))
+
+        try:
+            return await drive(call, b"x" * (kb * 1024), in_flight, seconds)
+        finally:
+            await link.close()
 
 
 @ray.remote(num_cpus=0)
@@ -183,12 +211,16 @@ def main() -> int:
                 *serve_pids,
             )
             rows.append((name, kb, result))
-        serve_caller.run_grpc.remote(kb, args.in_flight, 0.5).result()  # warm-up
-        result = measured(
-            lambda kb=kb: serve_caller.run_grpc.remote(kb, args.in_flight, args.seconds).result(),
-            *serve_pids,
-        )
-        rows.append(("grpc.aio port", kb, result))
+        for name, method in (
+            ("link port", serve_caller.run_link),
+            ("grpc.aio port", serve_caller.run_grpc),
+        ):
+            method.remote(kb, args.in_flight, 0.5).result()  # warm-up
+            result = measured(
+                lambda kb=kb, m=method: m.remote(kb, args.in_flight, args.seconds).result(),
+                *serve_pids,
+            )
+            rows.append((name, kb, result))
         ray.get(actor_caller.run.remote(kb, args.in_flight, 0.5))  # warm-up
         result = measured(
             lambda kb=kb: ray.get(actor_caller.run.remote(kb, args.in_flight, args.seconds)),

@@ -176,8 +176,9 @@ class AppConfig(_Strict):
     # backlog, calls that end sooner let another stream's request, taken in turn
     # (serve_app/dispatch.py), be answered sooner.
     max_images_per_call: int = Field(0, ge=0)
-    # How stage calls travel: `handle`, Serve's DeploymentHandle calls; `port`, a gRPC port
-    # of each stage replica's own, with the handle as fallback (serve_app/stage_port.py).
+    # How stage calls travel: `handle`, Serve's DeploymentHandle calls; `port`, a TCP port
+    # of each stage replica's own (serve_app/call_link.py), with the handle as fallback
+    # (serve_app/stage_port.py).
     stage_calls: Literal["handle", "port"] = "handle"
     # With `stage_calls: port`: shared memory (/dev/shm) each ingress replica may use to hand
     # requests' images to stage replicas on its node instead of sending them in the call

@@ -1,12 +1,12 @@
-"""Stage calls over a gRPC port of each stage replica's own (`stage_calls: port`), beside
+"""Stage calls over a TCP port of each stage replica's own (`stage_calls: port`), beside
 Serve's handles.
 
 A Serve handle call costs its two processes about twice a plain Ray actor call, and about
-2.5 times the same bytes sent over a grpc.aio channel between the same two replicas
-(`python bench/call_cost.py`, 2-core CPU machine, 4 calls in flight: 1.7 against 0.67 ms of
-CPU for 1 KB, 6.5 against 2.7 for 1 MB; p50 4.1 against 1.6 ms). The stages' calls carry
-whole micro-batches, but at small batches (one-image requests, low load) those costs are
-a large part of an image's CPU and latency. So, with `stage_calls: port`, each stage replica
+2.5 times the same bytes sent over a grpc.aio channel between the same two replicas, which
+costs several times a call over raystream's own framed link (serve_app/call_link.py; `python
+bench/call_cost.py` measures all four). The stages' calls carry whole micro-batches, but at
+small batches (one-image requests, low load) those costs are a large part of an image's CPU
+and latency. So, with `stage_calls: port`, each stage replica
 also serves its `run` on a port of its own (StagePort) and reports the address with its
 models in the registry (serve_app/registry.py); a caller (PortCalls) sends each batch,
 pickled, to the least busy replica of the next deployment among those that report holding
@@ -31,16 +31,14 @@ replica), and reads nothing of a call before checking it.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import pickle
 import random
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
-import grpc
-
 from serve_app import device_crops, request_images
+from serve_app.call_link import Link, LinkDown, LinkServer
 from serve_app.errors import Code, cancelled_itself, code_for
 from serve_app.load_board import LoadBoard, LoadSlot
 from serve_app.messages import Batch
@@ -49,22 +47,15 @@ from serve_app.shared_images import ImageReader, ImageWriter, SharedImagesMissin
 
 logger = logging.getLogger(__name__)
 
-SERVICE, METHOD = "raystream.internal.Stage", "Run"
-TOKEN_KEY = "x-raystream-stage-token"
-IMAGES_KEY = "x-raystream-images"  # the call's images: the callee counts them before reading it
-# Calls carry whole batches: tens of MB where requests are large.
-MESSAGE_OPTIONS = [
-    ("grpc.max_receive_message_length", 1 << 30),
-    ("grpc.max_send_message_length", 1 << 30),
-]
 ADDRESS_POLL_S = 1.0  # how often a caller reads the replicas' addresses
 CLOSE_GRACE_S = 30.0
 
 
 class StagePort:
-    """A stage replica's own grpc.aio server for stage calls: `run(batch)` on its loop, then
-    `then(result)` (the call to the next group) where given; the images a call brings count
-    as this replica's load (serve_app/load_board.py) while `run` has them."""
+    """A stage replica's own port for stage calls (serve_app/call_link.py): `run(batch)` on
+    its loop, then `then(result)` (the call to the next group) where given; the images a
+    call brings count as this replica's load (serve_app/load_board.py) while `run` has
+    them."""
 
     def __init__(
         self,
@@ -73,33 +64,24 @@ class StagePort:
         then: Callable[[Any], Awaitable[Any]] | None = None,
     ) -> None:
         self._run, self._then, self._token = run, then, token.encode()
-        self._server: grpc.aio.Server | None = None
+        self._server: LinkServer | None = None
         self._images = ImageReader()
         self._load: LoadSlot | None = None  # the images held, for callers on this node
         self.address = ""
         self.calls = 0  # calls answered (tests: the port, not the handle, carried them)
 
     async def start(self, host: str) -> str:
-        handler = grpc.method_handlers_generic_handler(
-            SERVICE, {METHOD: grpc.unary_unary_rpc_method_handler(self._call)}
-        )
-        self._server = grpc.aio.server(options=MESSAGE_OPTIONS)
-        self._server.add_generic_rpc_handlers((handler,))
-        port = self._server.add_insecure_port(f"{host}:0")
-        if port == 0:
-            raise RuntimeError(f"cannot bind a stage port on {host}")
-        await self._server.start()
+        self._server = LinkServer(self._call, self._token)
+        try:
+            port = await self._server.start(host)
+        except OSError as exc:
+            raise RuntimeError(f"cannot bind a stage port on {host}: {exc}") from exc
         self.address = f"{host}:{port}"
         self._load = LoadSlot(self.address)
         return self.address
 
-    async def _call(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def _call(self, request: bytes, images: int) -> bytes:
         """The batch's result, or the exception the stage raised (re-raised by the caller)."""
-        metadata = dict(context.invocation_metadata() or ())
-        if not hmac.compare_digest(metadata.get(TOKEN_KEY, "").encode(), self._token):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "not a stage call of this app")
-        # counted before the call is read, so that other callers see it at once
-        images = int(metadata.get(IMAGES_KEY, "0") or 0)
         self._load.add(images)
         try:
             try:
@@ -130,7 +112,7 @@ class StagePort:
 
     async def stop(self, grace_s: float) -> None:
         if self._server is not None:
-            await self._server.stop(grace=grace_s)
+            await self._server.stop(grace_s)
         self._images.close()
         if self._load is not None:
             self._load.close()
@@ -153,25 +135,24 @@ class PortCalls:
         shared_bytes: int = 0,
     ) -> None:
         self._registry, self._deployment, self._fallback = registry, deployment, fallback
-        self._metadata = ((TOKEN_KEY, token),)
+        self._token = token.encode()
         self._node = node
         self._images = ImageWriter(shared_bytes) if shared_bytes and node else None
         self._unshared: set[str] = set()  # addresses that could not map this node's memory
         self._crops_as_bytes: set[str] = set()  # addresses that could not open our GPU's
-        self._channels: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
-        self._open: dict[str, grpc.aio.Channel] = {}
+        self._links: dict[str, Link] = {}
         self._in_flight: dict[str, int] = {}  # address -> this caller's images in its calls
         self._board = LoadBoard()  # the images each replica on this node holds
         self._holds: Mapping[str, Collection[str]] = {}  # address -> model versions held
         self._refresh_task: asyncio.Task | None = None
         self._following = True  # reading the addresses (until the replica stops)
-        self._closing: set[asyncio.Task] = set()  # channels closing, until they are closed
+        self._closing: set[asyncio.Task] = set()  # links closing, until they are closed
         self.by_handle = 0  # calls that went by handle (tests, logs)
 
     @property
     def transport(self) -> str:
         shared = ", images through shared memory on this node" if self._images is not None else ""
-        return f"over the {self._deployment} replicas' own gRPC ports (stage_calls: port){shared}"
+        return f"over the {self._deployment} replicas' own ports (stage_calls: port){shared}"
 
     async def run(self, batch: Batch) -> Any:
         if self._refresh_task is None and self._following:
@@ -182,27 +163,27 @@ class PortCalls:
             return await self._fallback(device_crops.on_host(batch))
         images = batch.image_count()
         self._in_flight[address] += images
-        channel = self._channels[address]
+        link = self._links[address]
         try:
-            ok, value = await self._call(address, batch, images)
-        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            ok, value = await self._call(link, batch, images)
+        except (LinkDown, asyncio.CancelledError) as exc:
             if isinstance(exc, asyncio.CancelledError) and cancelled_itself():
-                raise  # this call itself was cancelled, not its RPC
-            # An RPC cancelled under a live caller: its channel closed (the address dropped
-            # while it ran past CLOSE_GRACE_S). Either way the call goes by handle.
-            reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "cancelled"
+                raise  # this call itself was cancelled, not its link's
+            # The replica stopped, refused the token, or the link closed under a live call
+            # (the address dropped while it ran past CLOSE_GRACE_S): the call goes by handle.
+            reason = str(exc) or "cancelled"
             logger.warning(
                 "the stage port %s failed (%s); this call goes by handle and the address is "
                 "dropped until the replica reports it again",
                 address,
                 reason,
             )
-            if self._channels.get(address) is channel:
+            if self._links.get(address) is link:
                 self._drop(address)
             self.by_handle += 1
             return await self._fallback(device_crops.on_host(batch))
         finally:
-            if self._channels.get(address) is channel:  # not a channel opened since
+            if self._links.get(address) is link:  # not a link opened since
                 self._in_flight[address] -= images
         if not ok:
             try:
@@ -211,12 +192,13 @@ class PortCalls:
                 del value, batch  # batch, until the garbage collector runs
         return value
 
-    async def _call(self, address: str, batch: Batch, images: int) -> tuple[bool, Any]:
-        """One call over the port, of `images` images; crops on the GPU by CUDA IPC where
-        the replica can open them (serve_app/device_crops.py), else their bytes."""
+    async def _call(self, link: Link, batch: Batch, images: int) -> tuple[bool, Any]:
+        """One call over `link`, of `images` images; crops on the GPU by CUDA IPC where the
+        replica can open them (serve_app/device_crops.py), else their bytes."""
+        address = link.address
         if address in self._crops_as_bytes or not self._on_this_node(address):
-            return await self._call_with_images(address, device_crops.on_host(batch), images)
-        ok, value = await self._call_with_images(address, batch, images)
+            return await self._call_with_images(link, device_crops.on_host(batch), images)
+        ok, value = await self._call_with_images(link, batch, images)
         if ok or not isinstance(value, device_crops.CropsNotHere):
             return ok, value
         logger.warning(
@@ -226,19 +208,23 @@ class PortCalls:
             value,
         )
         self._crops_as_bytes.add(address)
-        return await self._call_with_images(address, device_crops.on_host(batch), images)
+        return await self._call_with_images(link, device_crops.on_host(batch), images)
 
-    async def _call_with_images(self, address: str, batch: Batch, images: int) -> tuple[bool, Any]:
+    async def _call_with_images(self, link: Link, batch: Batch, images: int) -> tuple[bool, Any]:
         """The images through shared memory where the replica is on this node, in the call
         otherwise (and again in the call if it cannot map them)."""
         shared = None
-        on_this_node = self._on_this_node(address)
-        if self._images is not None and on_this_node and address not in self._unshared:
+        address = link.address
+        if (
+            self._images is not None
+            and self._on_this_node(address)
+            and address not in self._unshared
+        ):
             shared = self._images.put(batch)
         if shared is not None:
             name = shared[1].name
             try:
-                ok, value = await self._send(address, shared, images)
+                ok, value = await _send(link, shared, images)
             except BaseException:  # the callee may still read it: not lent again
                 self._images.release(name, reuse=False)
                 raise
@@ -253,15 +239,10 @@ class PortCalls:
                 value,
             )
             self._unshared.add(address)
-        return await self._send(address, batch, images)
+        return await _send(link, batch, images)
 
     def _on_this_node(self, address: str) -> bool:
         return address.rsplit(":", 1)[0] == self._node
-
-    async def _send(self, address: str, message: Batch | tuple, images: int) -> tuple[bool, Any]:
-        metadata = (*self._metadata, (IMAGES_KEY, str(images)))
-        request = request_images.dumps(message)
-        return pickle.loads(await self._channels[address](request, metadata=metadata))
 
     def _pick(self, model: str = "") -> str | None:
         """The least busy address (ties at random), among those that report holding `model`
@@ -285,27 +266,24 @@ class PortCalls:
         return random.choice([a for a, n in zip(candidates, loads, strict=True) if n == least])
 
     def update(self, ports: Mapping[str, Collection[str]]) -> None:
-        """The stage ports reported (address -> the model versions it holds): open channels
+        """The stage ports reported (address -> the model versions it holds): open links
         to new addresses, close those no longer reported. The load files are mapped anew
         (a replica started since on an address of one that stopped has a file of its own)."""
         self._holds = ports
         self._board.close()
         addresses = set(ports)
-        for address in addresses - self._channels.keys():
-            channel = grpc.aio.insecure_channel(address, options=MESSAGE_OPTIONS)
-            self._open[address] = channel
-            self._channels[address] = channel.unary_unary(f"/{SERVICE}/{METHOD}")
+        for address in addresses - self._links.keys():
+            self._links[address] = Link(address, self._token)
             self._in_flight[address] = 0
-        for address in self._channels.keys() - addresses:
+        for address in self._links.keys() - addresses:
             self._drop(address)
 
     def _drop(self, address: str) -> None:
-        self._channels.pop(address, None)
         self._in_flight.pop(address, None)
         self._board.forget(address)
-        channel = self._open.pop(address, None)
-        if channel is not None:  # calls still in flight on it get CLOSE_GRACE_S to finish
-            task = asyncio.ensure_future(channel.close(grace=CLOSE_GRACE_S))
+        link = self._links.pop(address, None)
+        if link is not None:  # calls still in flight on it get CLOSE_GRACE_S to finish
+            task = asyncio.ensure_future(link.close(CLOSE_GRACE_S))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
@@ -319,14 +297,19 @@ class PortCalls:
 
     def stop(self) -> None:
         """Stop reading the addresses, as the replica stops: no read runs into the process's
-        shutdown (its thread pool gone). Calls go on over the channels already open."""
+        shutdown (its thread pool gone). Calls go on over the links already open."""
         self._following = False
         if self._refresh_task is not None:
             self._refresh_task.cancel()
 
     async def close(self) -> None:
         self.stop()
-        for address in list(self._channels):
+        for address in list(self._links):
             self._drop(address)
         if self._images is not None:
             self._images.close()
+
+
+async def _send(link: Link, message: Batch | tuple, images: int) -> tuple[bool, Any]:
+    request = request_images.dumps(message)
+    return pickle.loads(await link.call(request, images))

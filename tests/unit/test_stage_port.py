@@ -1,6 +1,7 @@
-"""Stage calls over the replicas' own gRPC ports (serve_app/stage_port.py): real grpc.aio
-servers on loopback ports, the registry in memory. The answer or the stage's own exception
-comes back; with no address, or a port that fails, the call goes by handle and loses nothing."""
+"""Stage calls over the replicas' own ports (serve_app/stage_port.py): real link servers
+(serve_app/call_link.py) on loopback ports, the registry in memory. The answer or the
+stage's own exception comes back; with no address, or a port that fails, the call goes by
+handle and loses nothing."""
 
 from __future__ import annotations
 
@@ -9,15 +10,15 @@ import gc
 import os
 import weakref
 
-import grpc
 import pytest
 
 from serve_app import device_crops, shared_images
+from serve_app.call_link import CALL, HELLO, REFUSED
 from serve_app.errors import ModelNotFound
 from serve_app.load_board import LoadBoard
 from serve_app.messages import Batch, Job
 from serve_app.registry import MemoryStore, ModelRegistry
-from serve_app.stage_port import METHOD, SERVICE, TOKEN_KEY, PortCalls, StagePort
+from serve_app.stage_port import PortCalls, StagePort
 
 TOKEN = "app secret"
 
@@ -171,15 +172,18 @@ async def test_without_an_address_or_with_a_dead_port_the_call_goes_by_handle() 
 
 
 async def test_a_call_without_the_token_is_refused_before_it_is_read() -> None:
-    """Unpickling runs code: a caller that lacks the app's token gets UNAUTHENTICATED, and
-    the raystream caller with a wrong token goes by handle."""
+    """Unpickling runs code: a connection that lacks the app's token is refused and closed
+    before a call of it is read, and the raystream caller with a wrong token goes by
+    handle."""
     registry = ModelRegistry(MemoryStore(), "app")
     ((_, port),) = await _ports(registry, ["r1"])
-    async with grpc.aio.insecure_channel(port.address) as channel:
-        call = channel.unary_unary(f"/{SERVICE}/{METHOD}")
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await call(b"not even a pickle", metadata=((TOKEN_KEY, "guess"),))
-        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    host, number = port.address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(number))
+    guess = b"guess"
+    writer.write(HELLO + len(guess).to_bytes(4, "little") + guess)
+    writer.write(CALL.pack(0, 1, 17) + b"not even a pickle")
+    assert await reader.read() == REFUSED  # then closed
+    writer.close()
     fallback = Fallback()
     calls = PortCalls(registry, "Inference", fallback, "another app's secret")
     calls.update(registry.ports("Inference"))
@@ -236,9 +240,9 @@ class SizedPort(StagePort):
 
     sizes: list[int]
 
-    async def _call(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def _call(self, request: bytes, images: int) -> bytes:
         self.sizes.append(len(request))
-        return await super()._call(request, context)
+        return await super()._call(request, images)
 
 
 def _photos_batch() -> Batch:
@@ -304,9 +308,9 @@ async def test_images_travel_in_the_call_to_another_node_or_where_they_cannot_be
     await port.stop(0)
 
 
-async def test_a_call_cut_off_by_its_closing_channel_goes_by_handle(monkeypatch) -> None:
-    """An address dropped while a call runs closes its channel after a grace; a call still
-    running then is cancelled by gRPC. It goes by handle (not a CancelledError that leaves
+async def test_a_call_cut_off_by_its_closing_link_goes_by_handle(monkeypatch) -> None:
+    """An address dropped while a call runs closes its link after a grace; a call still
+    running then fails. It goes by handle (not a CancelledError that leaves
     its requests unanswered), and the address, reported again, starts from no calls."""
     import serve_app.stage_port as stage_port
 

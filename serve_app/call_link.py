@@ -1,0 +1,224 @@
+"""The wire under the stage ports (serve_app/stage_port.py): calls between raystream's own
+processes as length-prefixed frames over one asyncio TCP connection per caller and replica,
+many calls in flight on it at once, answered in any order.
+
+Why not gRPC: both ends are raystream, the messages are pickles, and a grpc.aio call costs
+several thread hand-offs a side. One call's round trip with 1 KB each way between two
+processes, 1 in flight, on the 2-core CPU machine: 0.13 ms p50 and 0.06 ms of the caller's
+CPU here, against 0.52 ms and 0.22 for a grpc.aio unary call; with 5 ms between calls (the
+threads asleep in between) 0.13 / 0.33 ms p50 / p99 against 0.78 / 1.39.
+
+    connect:   b"RSL1" + u32 token length + token   ->   b"\\x01" (or b"\\x00", closed)
+    a call:    u64 id + u32 images + u64 length + the request bytes
+    an answer: u64 id + u64 length + the answer bytes
+
+A connection's first frame is the application's stage token; the replica reads nothing else
+before it has checked it (a call is a pickle, and unpickling runs code). `images` is what
+the call carries (the replica's load: load_board.py). The answer is whatever the handler
+returned: the stage port's pickled (ok, value).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import itertools
+import logging
+import struct
+from collections.abc import Awaitable, Callable
+
+logger = logging.getLogger(__name__)
+
+HELLO = b"RSL1"
+ACCEPTED, REFUSED = b"\x01", b"\x00"
+CALL = struct.Struct("<QIQ")  # id, images, length
+ANSWER = struct.Struct("<QQ")  # id, length
+MAX_FRAME_BYTES = 1 << 30  # calls carry whole batches: tens of MB where requests are large
+MAX_TOKEN_BYTES = 1 << 10
+HELLO_TIMEOUT_S = 10.0
+# Past this many bytes waiting in the socket's send buffer, a writer waits for it to drain.
+WRITE_HIGH_BYTES = 4 << 20
+
+Handler = Callable[[bytes, int], Awaitable[bytes]]
+
+
+class LinkDown(ConnectionError):
+    """The connection is gone (the replica stopped, refused the token, or the link was
+    closed) before the call's answer came."""
+
+
+class LinkServer:
+    """Serves `handler(request, images) -> answer` to callers that present `token`."""
+
+    def __init__(self, handler: Handler, token: bytes) -> None:
+        self._handler, self._token = handler, token
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.StreamWriter] = set()
+        self._calls: set[asyncio.Task] = set()
+
+    async def start(self, host: str) -> int:
+        """Listens on `host`, on a free port; returns the port."""
+        self._server = await asyncio.start_server(self._serve, host, 0)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._connections.add(writer)
+        calls: set[asyncio.Task] = set()
+        try:
+            if not await self._accepted(reader, writer):
+                return
+            drain = asyncio.Lock()
+            while True:
+                try:
+                    call_id, images, length = CALL.unpack(await reader.readexactly(CALL.size))
+                except asyncio.IncompleteReadError:
+                    return  # the caller closed
+                if length > MAX_FRAME_BYTES:
+                    logger.warning("a stage call of %d bytes: the link is closed", length)
+                    return
+                request = await reader.readexactly(length)
+                task = asyncio.ensure_future(
+                    _answer(self._handler(request, images), call_id, writer, drain)
+                )
+                for group in (calls, self._calls):
+                    group.add(task)
+                    task.add_done_callback(group.discard)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            for task in calls:  # nobody waits for these answers any more
+                task.cancel()
+            writer.close()
+            self._connections.discard(writer)
+
+    async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        try:
+            async with asyncio.timeout(HELLO_TIMEOUT_S):
+                magic, size = await reader.readexactly(4), await reader.readexactly(4)
+                length = int.from_bytes(size, "little")
+                if magic != HELLO or length > MAX_TOKEN_BYTES:
+                    return False
+                token = await reader.readexactly(length)
+        except (TimeoutError, asyncio.IncompleteReadError):
+            return False
+        ok = hmac.compare_digest(token, self._token)
+        writer.write(ACCEPTED if ok else REFUSED)
+        if not ok:
+            await writer.drain()
+        return ok
+
+    async def stop(self, grace_s: float) -> None:
+        """No new connections; calls running get `grace_s` to answer, then are cancelled."""
+        if self._server is None:
+            return
+        self._server.close()
+        if self._calls:
+            await asyncio.wait(set(self._calls), timeout=grace_s)
+        for task in self._calls:
+            task.cancel()
+        for writer in self._connections:  # each connection's reader ends, and its handler
+            writer.close()
+        with contextlib.suppress(TimeoutError):  # 3.12: waits for those handlers to return
+            await asyncio.wait_for(self._server.wait_closed(), 1.0)
+
+
+async def _answer(
+    running: Awaitable[bytes], call_id: int, writer: asyncio.StreamWriter, drain: asyncio.Lock
+) -> None:
+    try:
+        answer = await running
+    except Exception:  # a handler must answer: the link breaks, and its callers go elsewhere
+        logger.exception("a stage call raised; its link is closed")
+        writer.close()
+        return
+    writer.writelines((ANSWER.pack(call_id, len(answer)), answer))
+    if writer.transport.get_write_buffer_size() > WRITE_HIGH_BYTES:
+        async with drain:
+            await writer.drain()
+
+
+class Link:
+    """Calls to one LinkServer at `address` ("host:port") on one connection, made at the
+    first call; `call` raises LinkDown where the connection fails before the answer."""
+
+    def __init__(self, address: str, token: bytes) -> None:
+        self.address, self._token = address, token
+        self._ids = itertools.count()
+        self._answers: dict[int, asyncio.Future[bytes]] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._reading: asyncio.Task | None = None
+        self._connecting = asyncio.Lock()
+        self._drain = asyncio.Lock()
+        self._closed = False
+
+    async def call(self, request: bytes, images: int = 0) -> bytes:
+        if self._closed:
+            raise LinkDown(f"the link to {self.address} is closed")
+        writer = self._writer or await self._connect()
+        call_id = next(self._ids)
+        answer = asyncio.get_running_loop().create_future()
+        self._answers[call_id] = answer
+        try:
+            writer.writelines((CALL.pack(call_id, images, len(request)), request))
+            if writer.transport.get_write_buffer_size() > WRITE_HIGH_BYTES:
+                async with self._drain:
+                    await writer.drain()
+            return await answer
+        finally:
+            self._answers.pop(call_id, None)
+
+    async def _connect(self) -> asyncio.StreamWriter:
+        async with self._connecting:
+            if self._writer is not None:
+                return self._writer
+            if self._closed:
+                raise LinkDown(f"the link to {self.address} is closed")
+            host, port = self.address.rsplit(":", 1)
+            try:
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(HELLO + len(self._token).to_bytes(4, "little") + self._token)
+                accepted = await reader.readexactly(1) == ACCEPTED
+            except (OSError, asyncio.IncompleteReadError) as exc:
+                raise LinkDown(f"cannot reach the stage port {self.address}: {exc}") from exc
+            if not accepted:
+                writer.close()
+                raise LinkDown(f"the stage port {self.address} refused this app's stage token")
+            self._writer = writer
+            self._reading = asyncio.ensure_future(self._read(reader))
+            return writer
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        """Hands each answer to its call; fails every call waiting once the connection ends."""
+        reason = "the connection closed"
+        try:
+            while True:
+                call_id, length = ANSWER.unpack(await reader.readexactly(ANSWER.size))
+                answer = await reader.readexactly(length)
+                waiting = self._answers.get(call_id)
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(answer)
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            reason = str(exc) or reason
+        finally:
+            self._fail_all(f"the link to {self.address} broke: {reason}")
+
+    def _fail_all(self, reason: str) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._writer = None
+        for waiting in self._answers.values():
+            if not waiting.done():
+                waiting.set_exception(LinkDown(reason))
+
+    async def close(self, grace_s: float = 0.0) -> None:
+        """No new calls; calls in flight get `grace_s` to be answered, then fail (LinkDown)."""
+        self._closed = True
+        waiting = [answer for answer in self._answers.values() if not answer.done()]
+        if waiting and grace_s > 0:
+            await asyncio.wait(waiting, timeout=grace_s)
+        if self._reading is not None:
+            self._reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reading
+        self._fail_all(f"the link to {self.address} was closed")

@@ -1,0 +1,114 @@
+"""The framed link under the stage ports (serve_app/call_link.py): a real server and real
+connections on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serve_app.call_link import Link, LinkDown, LinkServer
+
+TOKEN = b"app secret"
+
+
+async def _server(handler) -> tuple[LinkServer, str]:
+    server = LinkServer(handler, TOKEN)
+    return server, f"127.0.0.1:{await server.start('127.0.0.1')}"
+
+
+async def test_many_calls_on_one_link_are_answered_each_by_its_own_answer() -> None:
+    """Calls run at once on the replica and answer in any order; each caller gets its own."""
+    seen = []
+
+    async def handler(request: bytes, images: int) -> bytes:
+        seen.append(images)
+        await asyncio.sleep(0.05 * (len(request) % 3))
+        return request * 2
+
+    server, address = await _server(handler)
+    link = Link(address, TOKEN)
+    answers = await asyncio.gather(*(link.call(str(n).encode(), n) for n in range(30)))
+    assert answers == [str(n).encode() * 2 for n in range(30)]
+    assert sorted(seen[:30]) == list(range(30))
+    big = bytes(range(256)) * 40_000  # 10 MB each way
+    assert await link.call(big) == big * 2
+    await link.close()
+    await server.stop(0)
+
+
+async def test_a_replica_that_stops_fails_the_calls_waiting_and_a_closed_link_refuses() -> None:
+    async def handler(request: bytes, images: int) -> bytes:
+        await asyncio.sleep(10)
+        return request
+
+    server, address = await _server(handler)
+    link = Link(address, TOKEN)
+    waiting = asyncio.ensure_future(link.call(b"x"))
+    await asyncio.sleep(0.1)
+    await server.stop(0.05)  # its grace runs out
+    with pytest.raises(LinkDown):
+        await asyncio.wait_for(waiting, 5)
+    with pytest.raises(LinkDown, match="cannot reach"):
+        await link.call(b"y")
+    await link.close()
+    with pytest.raises(LinkDown, match="closed"):
+        await link.call(b"z")
+
+
+async def test_a_stopping_replica_lets_calls_in_flight_finish_within_its_grace() -> None:
+    async def handler(request: bytes, images: int) -> bytes:
+        await asyncio.sleep(0.2)
+        return request
+
+    server, address = await _server(handler)
+    link = Link(address, TOKEN)
+    waiting = asyncio.ensure_future(link.call(b"x"))
+    await asyncio.sleep(0.05)
+    await server.stop(5)
+    assert await waiting == b"x"
+    await link.close()
+
+
+async def test_a_wrong_token_is_refused_and_a_caller_cancelled_leaves_the_link_working() -> None:
+    gate = asyncio.Event()
+
+    async def handler(request: bytes, images: int) -> bytes:
+        if request == b"wait":
+            await gate.wait()
+        return request
+
+    server, address = await _server(handler)
+    with pytest.raises(LinkDown, match="refused"):
+        await Link(address, b"guess").call(b"x")
+    link = Link(address, TOKEN)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(link.call(b"wait"), 0.1)
+    assert await link.call(b"next") == b"next"
+    gate.set()
+    await asyncio.sleep(0.05)  # the cancelled call's late answer is dropped
+    assert await link.call(b"again") == b"again"
+    await link.close()
+    await server.stop(0)
+
+
+async def test_a_handler_that_raises_breaks_its_link_rather_than_leave_a_call_unanswered(
+    caplog,
+) -> None:
+    async def handler(request: bytes, images: int) -> bytes:
+        if request == b"bug":
+            raise RuntimeError("a bug")
+        await asyncio.sleep(0.1)
+        return request
+
+    server, address = await _server(handler)
+    link = Link(address, TOKEN)
+    other = asyncio.ensure_future(link.call(b"other"))
+    with pytest.raises(LinkDown):
+        await asyncio.wait_for(link.call(b"bug"), 5)
+    with pytest.raises(LinkDown):  # its neighbour on the link fails too: nothing hangs
+        await asyncio.wait_for(other, 5)
+    assert "a stage call raised" in caplog.text
+    assert await link.call(b"after") == b"after"  # a new connection
+    await link.close()
+    await server.stop(0)
