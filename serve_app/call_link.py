@@ -135,7 +135,8 @@ async def _answer(
     writer.writelines((ANSWER.pack(call_id, len(answer)), answer))
     if writer.transport.get_write_buffer_size() > WRITE_HIGH_BYTES:
         async with drain:
-            await writer.drain()
+            with contextlib.suppress(ConnectionError):  # the caller went: nobody to answer
+                await writer.drain()
 
 
 class Link:
@@ -165,6 +166,8 @@ class Link:
                 async with self._drain:
                     await writer.drain()
             return await answer
+        except ConnectionError as exc:  # the connection broke while the call was written
+            raise exc if isinstance(exc, LinkDown) else LinkDown(str(exc)) from exc
         finally:
             self._answers.pop(call_id, None)
 
