@@ -2,11 +2,11 @@
 processes as length-prefixed frames over one asyncio TCP connection per caller and replica,
 many calls in flight on it at once, answered in any order.
 
-Why not gRPC: both ends are raystream, the messages are pickles, and a grpc.aio call costs
-several thread hand-offs a side. One call's round trip with 1 KB each way between two
-processes, 1 in flight, on the 2-core CPU machine: 0.13 ms p50 and 0.06 ms of the caller's
-CPU here, against 0.52 ms and 0.22 for a grpc.aio unary call; with 5 ms between calls (the
-threads asleep in between) 0.13 / 0.33 ms p50 / p99 against 0.78 / 1.39.
+Why not gRPC: both ends are raystream, the messages are pickles, and a grpc.aio call is
+handed between several threads on each side. A call of 1 KB each way between two Serve
+replicas, 4 in flight, on the 2-core CPU machine (`python bench/call_cost.py`): 0.035 ms of
+CPU in the two processes together and 0.07 ms p50 here, against 0.53 ms and 1.22 ms for a
+grpc.aio unary method (docs/performance.md).
 
     connect:   b"RSL1" + u32 token length + token   ->   b"\\x01" (or b"\\x00", closed)
     a call:    u64 id + u32 images + u64 length + the request bytes
