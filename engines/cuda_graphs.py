@@ -36,6 +36,12 @@ from engines.buckets import BucketPlanner
 logger = logging.getLogger(__name__)
 
 CU_CTX_SCHED_BLOCKING_SYNC = 0x04  # cuda.h
+# One engine of the process warms up, captures or frees cached memory at a time.
+# torch.cuda.graph synchronizes the whole device as a capture starts (and freeing cached
+# memory can too): done while another engine of the process captures (two model versions
+# loading at once, or one loading while another still captures its smaller buckets in the
+# background), it fails (cudaErrorStreamCaptureUnsupported) and invalidates that capture.
+CAPTURING = threading.Lock()
 
 
 def sleep_in_every_gpu_wait(device: torch.device) -> None:
@@ -170,7 +176,8 @@ class GraphEngine(Engine):
         for bucket in buckets:
             if self._closing:
                 return
-            self._warm_up(bucket)
+            with CAPTURING:
+                self._warm_up(bucket)
             self._add_bucket(bucket)
         self.captured.set()
         if buckets:
@@ -190,18 +197,21 @@ class GraphEngine(Engine):
 
     def _add_bucket(self, bucket: int) -> None:
         """Capture `bucket` in every slot, holding them all (no batch runs meanwhile: a
-        pause of tens of ms once its kernels are warm), time its replay, then plan with it."""
-        with self._taking:
-            held = [self._slots.get() for _ in range(self._slot_count)]
-        try:
-            with torch.inference_mode():
+        pause of tens of ms once its kernels are warm), time its replay, then plan with it.
+        The slots are taken once no other engine captures (CAPTURING), so batches run
+        while this one waits."""
+        with CAPTURING:
+            with self._taking:
+                held = [self._slots.get() for _ in range(self._slot_count)]
+            try:
+                with torch.inference_mode():
+                    for slot in held:
+                        slot.graphs[bucket] = self._capture(bucket, slot)
+                    if self._plan_by_latency:
+                        self.replay_ms[bucket] = self._median_replay_ms(held[0], bucket)
+            finally:
                 for slot in held:
-                    slot.graphs[bucket] = self._capture(bucket, slot)
-                if self._plan_by_latency:
-                    self.replay_ms[bucket] = self._median_replay_ms(held[0], bucket)
-        finally:
-            for slot in held:
-                self._slots.put(slot)
+                    self._slots.put(slot)
         ready = sorted(held[0].graphs)
         self.planner = BucketPlanner(ready, self.replay_ms if self._plan_by_latency else None)
 
@@ -308,4 +318,5 @@ class GraphEngine(Engine):
             self._capturing.join()  # at most one bucket's capture away
         while not self._slots.empty():
             self._slots.get_nowait()
-        torch.cuda.empty_cache()
+        with CAPTURING:
+            torch.cuda.empty_cache()

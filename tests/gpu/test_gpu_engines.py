@@ -123,6 +123,45 @@ def test_warm_up_input_is_drawn_while_another_thread_captures_a_graph() -> None:
         thread.join()
 
 
+def test_an_engine_starting_while_another_captures_waits_its_turn(model) -> None:
+    """torch.cuda.graph synchronizes the device as it starts a capture, which fails while
+    another thread of the process captures and breaks that capture too (a model version
+    loading while another still captures its smaller buckets in the background; make
+    test-gpu on an H200 failed so). Engines take turns (cuda_graphs.CAPTURING): one started
+    meanwhile waits, then captures every bucket, and the other capture stays whole."""
+    import threading
+
+    from engines import create_engine
+    from engines.cuda_graphs import CAPTURING
+
+    device = torch.device("cuda:0")
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+    static = torch.zeros(4, device=device)
+    inside, release = threading.Event(), threading.Event()
+
+    def capture() -> None:  # as an engine captures: holding CAPTURING
+        with CAPTURING, torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            static.add_(1)
+            inside.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=capture)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        threading.Timer(2.0, release.set).start()
+        with create_engine(
+            "torch-cuda", model, max_batch_size=8, background_capture=False
+        ) as engine:
+            assert engine.planner.buckets == engine.buckets
+    finally:
+        release.set()
+        thread.join()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert static.tolist() == [1.0] * 4  # the capture the engine waited for is whole
+
+
 def test_two_slots_running_at_once_keep_their_own_buffers(model, engine_reference) -> None:
     """Two batches on the two slots at once, over and over: each answer equals the one the
     same batch gets alone. The slots' graphs must not share intermediate buffers (one graph
