@@ -37,8 +37,6 @@ ANSWER = struct.Struct("<QQ")  # id, length
 MAX_FRAME_BYTES = 1 << 30  # calls carry whole batches: tens of MB where requests are large
 MAX_TOKEN_BYTES = 1 << 10
 HELLO_TIMEOUT_S = 10.0
-# Past this many bytes waiting in the socket's send buffer, a writer waits for it to drain.
-WRITE_HIGH_BYTES = 4 << 20
 
 Handler = Callable[[bytes, int], Awaitable[bytes]]
 
@@ -68,7 +66,6 @@ class LinkServer:
         try:
             if not await self._accepted(reader, writer):
                 return
-            drain = asyncio.Lock()
             while True:
                 try:
                     call_id, images, length = CALL.unpack(await reader.readexactly(CALL.size))
@@ -79,12 +76,12 @@ class LinkServer:
                     return
                 request = await reader.readexactly(length)
                 task = asyncio.ensure_future(
-                    _answer(self._handler(request, images), call_id, writer, drain)
+                    _answer(self._handler(request, images), call_id, writer)
                 )
                 for group in (calls, self._calls):
                     group.add(task)
                     task.add_done_callback(group.discard)
-        except (ConnectionError, asyncio.IncompleteReadError):
+        except (OSError, asyncio.IncompleteReadError):
             pass
         finally:
             for task in calls:  # nobody waits for these answers any more
@@ -94,13 +91,10 @@ class LinkServer:
 
     async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         try:
-            async with asyncio.timeout(HELLO_TIMEOUT_S):
-                magic, size = await reader.readexactly(4), await reader.readexactly(4)
-                length = int.from_bytes(size, "little")
-                if magic != HELLO or length > MAX_TOKEN_BYTES:
-                    return False
-                token = await reader.readexactly(length)
-        except (TimeoutError, asyncio.IncompleteReadError):
+            token = await asyncio.wait_for(_token(reader), HELLO_TIMEOUT_S)
+        except (asyncio.TimeoutError, OSError, asyncio.IncompleteReadError):
+            return False
+        if token is None:
             return False
         ok = hmac.compare_digest(token, self._token)
         writer.write(ACCEPTED if ok else REFUSED)
@@ -113,30 +107,39 @@ class LinkServer:
         if self._server is None:
             return
         self._server.close()
-        if self._calls:
-            await asyncio.wait(set(self._calls), timeout=grace_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        # calls that arrive meanwhile are served too (callers learn of the stop a poll later)
+        while self._calls and (left := deadline - loop.time()) > 0:
+            await asyncio.wait(set(self._calls), timeout=left)
         for task in self._calls:
             task.cancel()
         for writer in self._connections:  # each connection's reader ends, and its handler
             writer.close()
-        with contextlib.suppress(TimeoutError):  # 3.12: waits for those handlers to return
+        with contextlib.suppress(asyncio.TimeoutError):  # 3.12: waits for those handlers
             await asyncio.wait_for(self._server.wait_closed(), 1.0)
 
 
-async def _answer(
-    running: Awaitable[bytes], call_id: int, writer: asyncio.StreamWriter, drain: asyncio.Lock
-) -> None:
+async def _token(reader: asyncio.StreamReader) -> bytes | None:
+    """The token a connection opens with; None if it does not open as a link does."""
+    magic, size = await reader.readexactly(4), await reader.readexactly(4)
+    length = int.from_bytes(size, "little")
+    if magic != HELLO or length > MAX_TOKEN_BYTES:
+        return None
+    return await reader.readexactly(length)
+
+
+async def _answer(running: Awaitable[bytes], call_id: int, writer: asyncio.StreamWriter) -> None:
     try:
         answer = await running
     except Exception:  # a handler must answer: the link breaks, and its callers go elsewhere
         logger.exception("a stage call raised; its link is closed")
         writer.close()
         return
-    writer.writelines((ANSWER.pack(call_id, len(answer)), answer))
-    if writer.transport.get_write_buffer_size() > WRITE_HIGH_BYTES:
-        async with drain:
-            with contextlib.suppress(ConnectionError):  # the caller went: nobody to answer
-                await writer.drain()
+    # No drain: the frame is in memory already, and the calls in flight bound the frames.
+    # Python 3.12's writelines does not check for a lost connection itself (gh-136234).
+    if not writer.transport.is_closing():  # else the caller went: nobody to answer
+        writer.writelines((ANSWER.pack(call_id, len(answer)), answer))
 
 
 class Link:
@@ -150,7 +153,6 @@ class Link:
         self._writer: asyncio.StreamWriter | None = None
         self._reading: asyncio.Task | None = None
         self._connecting = asyncio.Lock()
-        self._drain = asyncio.Lock()
         self._closed = False
 
     async def call(self, request: bytes, images: int = 0) -> bytes:
@@ -161,15 +163,16 @@ class Link:
         answer = asyncio.get_running_loop().create_future()
         self._answers[call_id] = answer
         try:
+            if writer.transport.is_closing():  # lost, and its reader has not seen it yet
+                raise LinkDown(f"the link to {self.address} broke")
+            # No drain, as for answers; 3.12's writelines needs the check above (gh-136234).
             writer.writelines((CALL.pack(call_id, images, len(request)), request))
-            if writer.transport.get_write_buffer_size() > WRITE_HIGH_BYTES:
-                async with self._drain:
-                    await writer.drain()
             return await answer
-        except ConnectionError as exc:  # the connection broke while the call was written
-            raise exc if isinstance(exc, LinkDown) else LinkDown(str(exc)) from exc
         finally:
             self._answers.pop(call_id, None)
+            if not answer.done():
+                answer.cancel()
+            del answer  # else frame -> future -> exception -> traceback -> frame (the batch)
 
     async def _connect(self) -> asyncio.StreamWriter:
         async with self._connecting:
@@ -180,12 +183,20 @@ class Link:
             host, port = self.address.rsplit(":", 1)
             try:
                 reader, writer = await asyncio.open_connection(host, int(port))
+            except OSError as exc:
+                raise LinkDown(f"cannot reach the stage port {self.address}: {exc}") from exc
+            try:
                 writer.write(HELLO + len(self._token).to_bytes(4, "little") + self._token)
                 accepted = await reader.readexactly(1) == ACCEPTED
-            except (OSError, asyncio.IncompleteReadError) as exc:
-                raise LinkDown(f"cannot reach the stage port {self.address}: {exc}") from exc
-            if not accepted:
+            except BaseException as exc:  # cancelled too: the socket is not left open
                 writer.close()
+                if isinstance(exc, OSError | asyncio.IncompleteReadError):
+                    raise LinkDown(f"cannot reach the stage port {self.address}: {exc}") from exc
+                raise
+            if not accepted or self._closed:
+                writer.close()
+                if self._closed:  # closed while connecting
+                    raise LinkDown(f"the link to {self.address} is closed")
                 raise LinkDown(f"the stage port {self.address} refused this app's stage token")
             self._writer = writer
             self._reading = asyncio.ensure_future(self._read(reader))
@@ -201,7 +212,7 @@ class Link:
                 waiting = self._answers.get(call_id)
                 if waiting is not None and not waiting.done():
                     waiting.set_result(answer)
-        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+        except (asyncio.IncompleteReadError, OSError) as exc:
             reason = str(exc) or reason
         finally:
             self._fail_all(f"the link to {self.address} broke: {reason}")

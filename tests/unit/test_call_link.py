@@ -112,3 +112,49 @@ async def test_a_handler_that_raises_breaks_its_link_rather_than_leave_a_call_un
     assert await link.call(b"after") == b"after"  # a new connection
     await link.close()
     await server.stop(0)
+
+
+async def test_a_stopping_replica_serves_the_calls_sent_during_its_grace() -> None:
+    """Callers learn of a stop a poll later: what they send meanwhile is served, not cut."""
+
+    async def handler(request: bytes, images: int) -> bytes:
+        await asyncio.sleep(0.3)
+        return request
+
+    server, address = await _server(handler)
+    link = Link(address, TOKEN)
+    first = asyncio.ensure_future(link.call(b"first"))
+    await asyncio.sleep(0.1)
+    stopping = asyncio.ensure_future(server.stop(5))
+    await asyncio.sleep(0.1)
+    assert await link.call(b"during") == b"during"
+    assert await first == b"first"
+    await stopping
+    await link.close()
+
+
+async def test_a_connection_reset_under_load_answers_every_call_or_fails_it_as_link_down() -> None:
+    """The replica's end reset while calls are written and answered: each call gets its
+    answer or LinkDown (its caller then goes by handle), none hangs or raises otherwise,
+    and the next connection serves."""
+    server: LinkServer
+
+    async def handler(request: bytes, images: int) -> bytes:
+        if request == b"reset":
+            for writer in list(server._connections):
+                writer.transport.abort()
+        await asyncio.sleep(0.01)
+        return request
+
+    server, address = await _server(handler)
+    for _ in range(3):
+        link = Link(address, TOKEN)
+        calls = [link.call(b"reset"), *(link.call(b"x") for _ in range(60))]
+        outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10)
+        assert all(o in (b"x", b"reset") or isinstance(o, LinkDown) for o in outcomes), outcomes
+        assert any(isinstance(o, LinkDown) for o in outcomes)
+        await link.close()
+    link = Link(address, TOKEN)
+    assert await asyncio.wait_for(link.call(b"after"), 5) == b"after"
+    await link.close()
+    await server.stop(0)
