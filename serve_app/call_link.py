@@ -36,7 +36,7 @@ CALL = struct.Struct("<QIQ")  # id, images, length
 ANSWER = struct.Struct("<QQ")  # id, length
 MAX_FRAME_BYTES = 1 << 30  # calls carry whole batches: tens of MB where requests are large
 MAX_TOKEN_BYTES = 1 << 10
-HELLO_TIMEOUT_S = 10.0
+HELLO_TIMEOUT_S = 10.0  # to connect, and to present or check the token
 
 Handler = Callable[[bytes, int], Awaitable[bytes]]
 
@@ -181,17 +181,21 @@ class Link:
             if self._closed:
                 raise LinkDown(f"the link to {self.address} is closed")
             host, port = self.address.rsplit(":", 1)
-            try:
-                reader, writer = await asyncio.open_connection(host, int(port))
-            except OSError as exc:
-                raise LinkDown(f"cannot reach the stage port {self.address}: {exc}") from exc
+            unreachable = f"cannot reach the stage port {self.address}"
+            try:  # a host gone answers nothing: the kernel would retry for minutes
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(host, int(port)), HELLO_TIMEOUT_S
+                )
+            except (OSError, asyncio.TimeoutError) as exc:
+                raise LinkDown(f"{unreachable}: {exc!r}") from exc
             try:
                 writer.write(HELLO + len(self._token).to_bytes(4, "little") + self._token)
-                accepted = await reader.readexactly(1) == ACCEPTED
+                reply = await asyncio.wait_for(reader.readexactly(1), HELLO_TIMEOUT_S)
+                accepted = reply == ACCEPTED
             except BaseException as exc:  # cancelled too: the socket is not left open
                 writer.close()
-                if isinstance(exc, OSError | asyncio.IncompleteReadError):
-                    raise LinkDown(f"cannot reach the stage port {self.address}: {exc}") from exc
+                if isinstance(exc, OSError | asyncio.IncompleteReadError | asyncio.TimeoutError):
+                    raise LinkDown(f"{unreachable}: {exc!r}") from exc
                 raise
             if not accepted or self._closed:
                 writer.close()

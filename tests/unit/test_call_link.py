@@ -158,3 +158,24 @@ async def test_a_connection_reset_under_load_answers_every_call_or_fails_it_as_l
     assert await asyncio.wait_for(link.call(b"after"), 5) == b"after"
     await link.close()
     await server.stop(0)
+
+
+async def test_a_port_that_never_answers_the_token_fails_the_call_in_time(monkeypatch) -> None:
+    """A port that takes the connection and says nothing (a wedged or foreign process): the
+    call fails as LinkDown after HELLO_TIMEOUT_S, not never."""
+    import serve_app.call_link as call_link
+
+    monkeypatch.setattr(call_link, "HELLO_TIMEOUT_S", 0.2)
+    held = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        await asyncio.sleep(5)
+
+    mute = await asyncio.start_server(silent, "127.0.0.1", 0)
+    address = f"127.0.0.1:{mute.sockets[0].getsockname()[1]}"
+    with pytest.raises(LinkDown, match="cannot reach"):
+        await asyncio.wait_for(Link(address, TOKEN).call(b"x"), 5)
+    for writer in held:
+        writer.close()
+    mute.close()
