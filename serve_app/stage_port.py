@@ -6,13 +6,13 @@ A Serve handle call costs its two processes about twice a plain Ray actor call, 
 costs several times a call over raystream's own framed link (serve_app/call_link.py; `python
 bench/call_cost.py` measures all four). The stages' calls carry whole micro-batches, but at
 small batches (one-image requests, low load) those costs are a large part of an image's CPU
-and latency. So, with `stage_calls: port`, each stage replica
-also serves its `run` on a port of its own (StagePort) and reports the address with its
-models in the registry (serve_app/registry.py); a caller (PortCalls) sends each batch,
-pickled, to the least busy replica of the next deployment among those that report holding
-the batch's model version (by the images each holds for all its callers where they are all
-on the caller's node: serve_app/load_board.py), the images in it through shared memory
-where that replica is on the caller's node (serve_app/shared_images.py). A replica that
+and latency. So, with `stage_calls: port`, each stage replica also serves its `run` on a
+port of its own (StagePort) and reports the address with its models in the registry
+(serve_app/registry.py); a caller (PortCalls) sends each batch, pickled, to the least busy
+replica of the next deployment among those that report holding the batch's model version
+(by the images each holds for all its callers where they are all on the caller's node:
+serve_app/load_board.py), the images in it through shared memory where that replica is on
+the caller's node (serve_app/shared_images.py). A replica that
 has started since a version was loaded, and loads it still, then takes no request for it.
 
 Serve still places, starts, scales, stops and health-checks the replicas; the handles still
@@ -23,9 +23,9 @@ side effects, so a batch run twice is harmless. Calls over the port are not Serv
 Serve's `max_ongoing_requests` does not bound them (the ingress' micro-batcher bounds its
 calls in flight, serve_app/dispatch.py), and Serve's autoscaler sees them only through
 raystream's policy (serve_app/autoscaling.py), to which every replica reports the port's
-calls in its own stages. The port binds the node's address that Ray uses; it answers only calls
-that carry the application's stage token (a random secret that build_app gives every
-replica), and reads nothing of a call before checking it.
+calls in its own stages. The port binds the node's address that Ray uses; it serves only
+connections that open with the application's stage token (a random secret that build_app
+gives every replica), and reads no call of a connection before checking it.
 """
 
 from __future__ import annotations
