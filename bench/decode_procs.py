@@ -21,9 +21,20 @@ the GPU configs run:
 
 `--chunk N`: the decoder hands nvJPEG N JPEGs a call; without it, the whole call at once,
 as an Inference replica does.
+
+Latency at low load: `--gap-ms G` makes each process wait G ms after each call (12 processes
+of calls of 8 with 190 ms gaps offer about 500 img/s), and the line adds each call's p50 and
+p99 wall time; `--queued` sends each call through an Inference replica's own path in the
+process (serve_app/nvjpeg_queue.py on an asyncio loop: its batcher, its decode thread and the
+hand-offs between them). Where a served request's decode takes longer than here, the
+difference is the server around it:
+
+    bash bench/gpu_mps.sh python3 bench/decode_procs.py --processes 1,12 --batch 8 --spin \
+        --gap-ms 190 --queued
 """
 
 import argparse
+import asyncio
 import multiprocessing as mp
 import os
 import resource
@@ -88,20 +99,49 @@ def worker(args, start_at, queue):
         wait_asleep(torch.cuda.current_stream())
 
     work = decode_alone if args.decode_only else lambda: decoder.crops_many([jpegs])
+    if args.queued:
+        queue.put(asyncio.run(_queued_calls(args, jpegs, start_at)))
+        return
     work()
     time.sleep(max(start_at - time.time(), 0))
-    before, calls, end = resource.getrusage(resource.RUSAGE_SELF), 0, time.time() + SECONDS
+    before, walls, end = resource.getrusage(resource.RUSAGE_SELF), [], time.time() + SECONDS
     while time.time() < end:
+        began = time.perf_counter()
         work()
-        calls += 1
+        walls.append(time.perf_counter() - began)
+        time.sleep(args.gap_ms / 1000)
+    queue.put(_usage(before, walls))
+
+
+async def _queued_calls(args, jpegs, start_at):
+    """The calls through an Inference replica's decode queue, on this process' event loop."""
+    from engines.repository import PreprocessSpec
+    from serve_app.config import AppConfig
+    from serve_app.nvjpeg_queue import NvjpegQueue
+
+    decoder = NvjpegQueue(AppConfig(decode="gpu", nvjpeg_chunk=args.chunk), PreprocessSpec())
+    await decoder.warm()
+    await decoder.decode(jpegs)
+    await asyncio.sleep(max(start_at - time.time(), 0))
+    before, walls, end = resource.getrusage(resource.RUSAGE_SELF), [], time.time() + SECONDS
+    while time.time() < end:
+        began = time.perf_counter()
+        await decoder.decode(jpegs)
+        walls.append(time.perf_counter() - began)
+        await asyncio.sleep(args.gap_ms / 1000)
+    usage = _usage(before, walls)
+    await decoder.close()
+    return usage
+
+
+def _usage(before, walls: list[float]) -> tuple:
     after = resource.getrusage(resource.RUSAGE_SELF)
-    queue.put(
-        (
-            calls,
-            after.ru_utime - before.ru_utime,
-            after.ru_stime - before.ru_stime,
-            after.ru_nvcsw - before.ru_nvcsw + after.ru_nivcsw - before.ru_nivcsw,
-        )
+    return (
+        len(walls),
+        after.ru_utime - before.ru_utime,
+        after.ru_stime - before.ru_stime,
+        after.ru_nvcsw - before.ru_nvcsw + after.ru_nivcsw - before.ru_nivcsw,
+        walls,
     )
 
 
@@ -116,6 +156,8 @@ def main():
     parser.add_argument("--decoder", choices=("torchvision", "nvimgcodec"), default="torchvision")
     parser.add_argument("--profile", action="store_true", help="py-spy --native of one process")
     parser.add_argument("--spin", action="store_true", help="CUDA's waits as they are")
+    parser.add_argument("--gap-ms", type=float, default=0.0, help="each process' pause a call")
+    parser.add_argument("--queued", action="store_true", help="through the replica's queue")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "/tmp")) / "procs.txt"
     ctx = mp.get_context("spawn")
@@ -135,19 +177,27 @@ def main():
             raw.with_suffix(".txt").write_text(text)
         for p in procs:
             p.join()
-        calls, user, system, switches = (sum(column) for column in zip(*results, strict=True))
+        calls, user, system, switches = (sum(r[i] for r in results) for i in range(4))
+        walls = sorted(wall for r in results for wall in r[4])
         images = calls * args.batch
         line = (
             f"{n:2} processes, {args.decoder}{', spinning' * args.spin}, calls of {args.batch}"
             f"{f' in chunks of {args.chunk}' * bool(args.chunk)}"
-            f"{', decode alone' * args.decode_only}: {images / SECONDS:8.0f} img/s  "
+            f"{', decode alone' * args.decode_only}{', queued' * args.queued}"
+            f"{f', {args.gap_ms:g} ms gaps' * bool(args.gap_ms)}: {images / SECONDS:8.0f} img/s  "
             f"{(user + system) * 1000 / images:.3f} CPU ms/img (user {user * 1000 / images:.3f}, "
             f"kernel {system * 1000 / images:.3f}), a call {SECONDS * n * 1000 / calls:.1f} ms, "
-            f"{switches / calls:.1f} switches"
+            f"{switches / calls:.1f} switches; a call's wall p50 "
+            f"{_at(walls, 0.5):.2f} ms, p99 {_at(walls, 0.99):.2f} ms"
         )
         print(line, flush=True)
         with out.open("a") as f:
             f.write(line + "\n")
+
+
+def _at(walls: list[float], quantile: float) -> float:
+    """The quantile of sorted wall times, in ms."""
+    return walls[min(int(quantile * len(walls)), len(walls) - 1)] * 1000 if walls else 0.0
 
 
 def _profile(pid: int, start_at: float, raw: Path) -> subprocess.Popen:
