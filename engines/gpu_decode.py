@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from engines import crop_kernel
 from engines.cuda_graphs import wait_asleep
 from engines.images import DecodeLimits, InvalidImage, decode
 from engines.repository import PreprocessSpec
@@ -169,24 +170,37 @@ def _sample_jpeg(width: int, height: int) -> bytes:
 
 def crop_batch(images: list[torch.Tensor], spec: PreprocessSpec) -> torch.Tensor:
     """(3, H, W) uint8 images -> (N, S, S, 3) uint8 crops (the engine's layout): shorter side
-    to resize_size, center crop S.
+    to resize_size, center crop S. On a GPU with Triton, in one kernel launch
+    (engines/crop_kernel.py); elsewhere with torch's antialiased interpolation."""
+    sizes = [resized_size(image.shape[1], image.shape[2], spec) for image in images]
+    if images[0].is_cuda and crop_kernel.available():
+        return crop_kernel.resize_crop(
+            [image.contiguous() for image in images], sizes, spec.input_size
+        )
+    return interpolate_and_crop(images, sizes, spec.input_size)
 
-    Images of the same size resize in one call (catalog photos often share a size) and land
-    in their rows with one scatter, so the kernel launches grow with the number of distinct
-    sizes, not of images. The rows' indices go up from pinned memory: from pageable memory
-    the copy would wait for the stream.
-    """
-    size = spec.input_size
-    groups: dict[tuple[int, int], list[int]] = {}
-    for index, image in enumerate(images):
-        groups.setdefault(tuple(image.shape[1:]), []).append(index)
+
+def resized_size(height: int, width: int, spec: PreprocessSpec) -> tuple[int, int]:
+    """(height, width) with the shorter side at resize_size, neither under the crop."""
+    scale = spec.resize_size / min(width, height)
+    return max(spec.input_size, round(height * scale)), max(spec.input_size, round(width * scale))
+
+
+def interpolate_and_crop(
+    images: list[torch.Tensor], sizes: list[tuple[int, int]], size: int
+) -> torch.Tensor:
+    """crop_batch with torch's operators (the reference for the kernel's pixels). Images of
+    the same size resize in one call (catalog photos often share a size) and land in their
+    rows with one scatter, so the kernel launches grow with the number of distinct sizes,
+    not of images. The rows' indices go up from pinned memory: from pageable memory the
+    copy would wait for the stream."""
+    groups: dict[tuple[int, int, int, int], list[int]] = {}
+    for index, (image, resized) in enumerate(zip(images, sizes, strict=True)):
+        groups.setdefault((*image.shape[1:], *resized), []).append(index)
     out = None
     if len(groups) > 1:
         out = torch.empty((len(images), size, size, 3), dtype=torch.uint8, device=images[0].device)
-    for (height, width), indices in groups.items():
-        scale = spec.resize_size / min(width, height)
-        new_h = max(size, round(height * scale))
-        new_w = max(size, round(width * scale))
+    for (_, _, new_h, new_w), indices in groups.items():
         same = (
             torch.stack([images[i] for i in indices])
             if len(indices) > 1

@@ -51,6 +51,35 @@ def test_nvjpeg_crops_match_the_cpu_path(model, photos) -> None:
     assert [len(c.pixels) for c in both] == [1, 4]
 
 
+def test_the_crop_kernel_gives_torchs_pixels() -> None:
+    """engines/crop_kernel.py against torch's antialiased interpolation (its reference, and
+    the path without Triton), in one call: images smaller than the crop (upscaled), of its
+    size, wide, tall, and one whose window is four times wider (a launch of its own), each
+    landing in its own row."""
+    from engines import crop_kernel
+    from engines.gpu_decode import interpolate_and_crop, resized_size
+    from engines.repository import PreprocessSpec
+
+    assert crop_kernel.available()
+    spec = PreprocessSpec()
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    images = []
+    for height, width in [(300, 451), (100, 60), (256, 256), (257, 900), (1200, 300), (2600, 3000)]:
+        coarse = torch.rand(
+            (1, 3, height // 8 + 1, width // 8 + 1), generator=generator, device="cuda"
+        )
+        smooth = torch.nn.functional.interpolate(coarse, size=(height, width), mode="bilinear")
+        noise = torch.randint(0, 24, (3, height, width), generator=generator, device="cuda")
+        images.append((smooth[0] * 230 + noise).clamp(0, 255).to(torch.uint8))
+    sizes = [resized_size(image.shape[1], image.shape[2], spec) for image in images]
+    fused = crop_kernel.resize_crop(images, sizes, spec.input_size)
+    reference = interpolate_and_crop(images, sizes, spec.input_size)
+    assert fused.shape == reference.shape == (6, 224, 224, 3)
+    difference = (fused.int() - reference.int()).abs()
+    assert difference.max().item() <= 1  # rounding of float sums taken in another order
+    assert (difference > 0).float().mean().item() < 1e-3
+
+
 def test_gpu_hybrid_decode_matches_the_hardware_decoder(photos) -> None:
     """nvJPEG's GPU_HYBRID backend, called directly, gives the pixels torchvision's hardware
     decode gives, for a call of 64 (colour, grayscale and progressive JPEGs, odd sizes), and
