@@ -25,6 +25,7 @@ import contextlib
 import hmac
 import itertools
 import logging
+import socket
 import struct
 from collections.abc import Awaitable, Callable
 
@@ -37,6 +38,13 @@ ANSWER = struct.Struct("<QQ")  # id, length
 MAX_FRAME_BYTES = 1 << 30  # calls carry whole batches: tens of MB where requests are large
 MAX_TOKEN_BYTES = 1 << 10
 HELLO_TIMEOUT_S = 10.0  # to connect, and to present or check the token
+# A peer whose host vanished (power, network) sends no reset: without these, calls waiting on
+# its connection would wait until its address left the registry and its links closed (up to
+# ~36 s). Idle for KEEPALIVE_IDLE_S, the kernel probes every KEEPALIVE_INTERVAL_S and drops
+# the connection after KEEPALIVE_PROBES unanswered; data unacknowledged for USER_TIMEOUT_S
+# drops it too. Either way the calls fail with LinkDown and go by handle.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 5, 2, 3
+USER_TIMEOUT_S = 10
 
 Handler = Callable[[bytes, int], Awaitable[bytes]]
 
@@ -62,6 +70,7 @@ class LinkServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._connections.add(writer)
+        _watch_peer(writer)
         calls: set[asyncio.Task] = set()
         try:
             if not await self._accepted(reader, writer):
@@ -202,6 +211,7 @@ class Link:
                 if self._closed:  # closed while connecting
                     raise LinkDown(f"the link to {self.address} is closed")
                 raise LinkDown(f"the stage port {self.address} refused this app's stage token")
+            _watch_peer(writer)
             self._writer = writer
             self._reading = asyncio.ensure_future(self._read(reader))
             return writer
@@ -240,3 +250,21 @@ class Link:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reading
         self._fail_all(f"the link to {self.address} was closed")
+
+
+def _watch_peer(writer: asyncio.StreamWriter) -> None:
+    """TCP keepalive and a user timeout on the connection (see KEEPALIVE_IDLE_S); options
+    the platform lacks are skipped."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    options = [
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+        ("TCP_USER_TIMEOUT", USER_TIMEOUT_S * 1000),
+    ]
+    for name, value in options:
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)

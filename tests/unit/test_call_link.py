@@ -179,3 +179,32 @@ async def test_a_port_that_never_answers_the_token_fails_the_call_in_time(monkey
     for writer in held:
         writer.close()
     mute.close()
+
+
+async def test_a_peer_that_stops_reading_fails_the_call_after_the_user_timeout(
+    monkeypatch,
+) -> None:
+    """A replica that accepted the token and then reads nothing more (hung, or its host gone
+    with the data unacknowledged): once a call's bytes have waited USER_TIMEOUT_S in the
+    kernel, the connection drops and the call fails as LinkDown, instead of waiting for the
+    registry to drop the address."""
+    import serve_app.call_link as call_link
+
+    monkeypatch.setattr(call_link, "USER_TIMEOUT_S", 1)
+    held = []
+
+    async def hung(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        await reader.readexactly(len(call_link.HELLO) + 4 + len(TOKEN))
+        writer.write(call_link.ACCEPTED)
+        await asyncio.sleep(30)  # reads nothing more: its receive window fills
+
+    peer = await asyncio.start_server(hung, "127.0.0.1", 0)
+    address = f"127.0.0.1:{peer.sockets[0].getsockname()[1]}"
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(LinkDown):
+        await asyncio.wait_for(Link(address, TOKEN).call(b"x" * (64 << 20)), 20)
+    assert asyncio.get_running_loop().time() - started < 10
+    for writer in held:
+        writer.close()
+    peer.close()
