@@ -11,10 +11,14 @@ with the weights PyTorch's `upsample_bilinear2d_aa` uses, so its pixels equal
 `crop_batch`'s within one grey level (float sums in another order; tests/gpu/test_nvjpeg.py).
 
 Triton compiles it on first use (the decoder's warm-up) and caches it on disk. Where Triton
-does not import, `available()` is False and the torch path runs.
+does not import or cannot build the kernel (no C compiler for its launcher, say),
+`available()` is False, says why in the log, and the torch path runs.
 """
 
 from __future__ import annotations
+
+import functools
+import logging
 
 import torch
 
@@ -24,11 +28,26 @@ try:
 except ImportError:  # CPU machines: torch's CPU wheel comes without Triton
     triton = None
 
+logger = logging.getLogger(__name__)
+
 BLOCK = 256  # output pixels per program
 
 
+@functools.cache
 def available() -> bool:
-    return triton is not None
+    """Triton imports, and the kernel builds and runs on the current GPU: checked once per
+    process, on a small image, by the first caller (the decoder's warm-up)."""
+    if triton is None:
+        return False
+    try:
+        grey = torch.full((3, 16, 24), 128, dtype=torch.uint8, device=torch.cuda.current_device())
+        return bool((resize_crop([grey], [(8, 12)], 8) == 128).all().item())
+    except Exception:
+        logger.warning(
+            "the one-launch resize and crop does not run here; torch's interpolation will",
+            exc_info=True,
+        )
+        return False
 
 
 def resize_crop(
