@@ -34,14 +34,17 @@ BLOCK = 256  # output pixels per program
 
 
 @functools.cache
-def available() -> bool:
-    """Triton imports, and the kernel builds and runs on the current GPU: checked once per
-    process, on a small image, by the first caller (the decoder's warm-up)."""
+def available(crop: int) -> bool:
+    """Triton imports, and the kernel for crops of this size builds and runs on the current
+    GPU: checked once per process and size, on a grey image, by the first caller (the
+    decoder's warm-up)."""
     if triton is None:
         return False
     try:
-        grey = torch.full((3, 16, 24), 128, dtype=torch.uint8, device=torch.cuda.current_device())
-        return bool((resize_crop([grey], [(8, 12)], 8) == 128).all().item())
+        device = torch.cuda.current_device()
+        grey = torch.full((3, crop + 8, crop + 16), 128, dtype=torch.uint8, device=device)
+        crops = resize_crop([grey], [(crop + 4, crop + 8)], crop)
+        return bool((crops == 128).all().item())
     except Exception:
         logger.warning(
             "the one-launch resize and crop does not run here; torch's interpolation will",
@@ -53,13 +56,20 @@ def available() -> bool:
 def resize_crop(
     images: list[torch.Tensor], sizes: list[tuple[int, int]], crop: int
 ) -> torch.Tensor:
-    """(3, H, W) contiguous uint8 images on one CUDA device, each resized to `sizes[i]`
+    """(3, H, W) contiguous uint8 images on the current CUDA device, each resized to `sizes[i]`
     ((height, width), both >= crop) and center-cropped to crop x crop: (N, crop, crop, 3)
     uint8. Runs on the current stream; the images must stay alive until it has run.
 
     A launch loops over the largest window of its images, so images whose windows differ
     by more than twofold (a 6000-pixel photo among catalogue thumbnails) go in launches of
     their own, grouped by window size: one launch for the usual mix of photos."""
+    for image, (height, width) in zip(images, sizes, strict=True):
+        if image.dtype != torch.uint8 or image.dim() != 3 or image.shape[0] != 3:
+            raise ValueError(f"images must be (3, H, W) uint8, got {image.dtype} {image.shape}")
+        if not image.is_contiguous():
+            raise ValueError("images must be contiguous (the kernel reads them as planes)")
+        if min(height, width) < crop:
+            raise ValueError(f"a {height}x{width} resize is smaller than the {crop} crop")
     taps = [
         (_taps(image.shape[1], height), _taps(image.shape[2], width))
         for image, (height, width) in zip(images, sizes, strict=True)
@@ -111,9 +121,13 @@ if triton is not None:
 
     @triton.jit
     def _to_u8(value):
-        """Rounded (half up; torch.round's half-to-even differs only at exact halves) and
-        clamped to a byte."""
-        return tl.minimum(tl.maximum(tl.floor(value + 0.5), 0.0), 255.0).to(tl.uint8)
+        """Rounded as torch.round rounds (halves to even: at 2x, 4x or 8/7 scales the sums
+        land on exact halves for a few percent of the pixels) and clamped to a byte."""
+        low = tl.floor(value)
+        fraction = value - low
+        odd = (low - 2.0 * tl.floor(low * 0.5)) == 1.0
+        rounded = tl.where((fraction > 0.5) | ((fraction == 0.5) & odd), low + 1.0, low)
+        return tl.minimum(tl.maximum(rounded, 0.0), 255.0).to(tl.uint8)
 
     # the windows' sizes change from call to call: not compiled apart when one is 1 or a
     # multiple of 16, as Triton does for integer arguments by default

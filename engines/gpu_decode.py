@@ -173,7 +173,7 @@ def crop_batch(images: list[torch.Tensor], spec: PreprocessSpec) -> torch.Tensor
     to resize_size, center crop S. On a GPU with Triton, in one kernel launch
     (engines/crop_kernel.py); elsewhere with torch's antialiased interpolation."""
     sizes = [resized_size(image.shape[1], image.shape[2], spec) for image in images]
-    if images[0].is_cuda and crop_kernel.available():
+    if images[0].is_cuda and crop_kernel.available(spec.input_size):
         return crop_kernel.resize_crop(
             [image.contiguous() for image in images], sizes, spec.input_size
         )

@@ -51,20 +51,25 @@ def test_nvjpeg_crops_match_the_cpu_path(model, photos) -> None:
     assert [len(c.pixels) for c in both] == [1, 4]
 
 
+SIZES = [(300, 451), (100, 60), (128, 128), (224, 224), (256, 256), (512, 512), (257, 900),
+         (1200, 300), (2600, 3000)]  # fmt: skip
+
+
 def test_the_crop_kernel_gives_torchs_pixels() -> None:
     """engines/crop_kernel.py against torch's antialiased interpolation (its reference, and
-    the path without Triton), in one call: images smaller than the crop (upscaled), of its
-    size, wide, tall, and one whose window is four times wider (a launch of its own), each
-    landing in its own row."""
+    the path without Triton), in one call: images smaller than the crop (upscaled, 128x128
+    at exactly 2x, where sums land on exact halves), of the crop's size, of the resize's,
+    twice it, wide, tall, and one whose window is four times wider (a launch of its own),
+    each landing in its own row."""
     from engines import crop_kernel
     from engines.gpu_decode import interpolate_and_crop, resized_size
     from engines.repository import PreprocessSpec
 
-    assert crop_kernel.available()
+    assert crop_kernel.available(224)
     spec = PreprocessSpec()
     generator = torch.Generator(device="cuda").manual_seed(0)
     images = []
-    for height, width in [(300, 451), (100, 60), (256, 256), (257, 900), (1200, 300), (2600, 3000)]:
+    for height, width in SIZES:
         coarse = torch.rand(
             (1, 3, height // 8 + 1, width // 8 + 1), generator=generator, device="cuda"
         )
@@ -74,10 +79,12 @@ def test_the_crop_kernel_gives_torchs_pixels() -> None:
     sizes = [resized_size(image.shape[1], image.shape[2], spec) for image in images]
     fused = crop_kernel.resize_crop(images, sizes, spec.input_size)
     reference = interpolate_and_crop(images, sizes, spec.input_size)
-    assert fused.shape == reference.shape == (6, 224, 224, 3)
+    assert fused.shape == reference.shape == (len(SIZES), 224, 224, 3)
     difference = (fused.int() - reference.int()).abs()
-    assert difference.max().item() <= 1  # rounding of float sums taken in another order
+    assert difference.max().item() <= 1  # float sums taken in another order
     assert (difference > 0).float().mean().item() < 1e-3
+    with pytest.raises(ValueError):
+        crop_kernel.resize_crop(images[:1], [(200, 300)], spec.input_size)
 
 
 def test_gpu_hybrid_decode_matches_the_hardware_decoder(photos) -> None:
