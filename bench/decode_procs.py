@@ -90,6 +90,9 @@ def worker(args, start_at, queue):
         sleep_in_every_gpu_wait(torch.device("cuda:0"))
     photos = load.builtin_photos()
     jpegs = [photos[i % len(photos)] for i in range(args.batch)]
+    if args.queued:
+        queue.put(asyncio.run(_queued_calls(args, jpegs, start_at)))
+        return
     decode_batch = nvimgcodec_decode(0) if args.decoder == "nvimgcodec" else None
     decoder = GpuJpegDecoder(
         PreprocessSpec(), DecodeLimits(), decode_batch=decode_batch, chunk=args.chunk or None
@@ -100,9 +103,6 @@ def worker(args, start_at, queue):
         wait_asleep(torch.cuda.current_stream())
 
     work = decode_alone if args.decode_only else lambda: decoder.crops_many([jpegs])
-    if args.queued:
-        queue.put(asyncio.run(_queued_calls(args, jpegs, start_at)))
-        return
     work()
     time.sleep(max(start_at - time.time(), 0))
     before, walls, end = resource.getrusage(resource.RUSAGE_SELF), [], time.time() + SECONDS

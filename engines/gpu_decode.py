@@ -194,13 +194,14 @@ def interpolate_and_crop(
     rows with one scatter, so the kernel launches grow with the number of distinct sizes,
     not of images. The rows' indices go up from pinned memory: from pageable memory the
     copy would wait for the stream."""
-    groups: dict[tuple[int, int, int, int], list[int]] = {}
-    for index, (image, resized) in enumerate(zip(images, sizes, strict=True)):
-        groups.setdefault((*image.shape[1:], *resized), []).append(index)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for index, image in enumerate(images):
+        groups.setdefault(tuple(image.shape[1:]), []).append(index)
     out = None
     if len(groups) > 1:
         out = torch.empty((len(images), size, size, 3), dtype=torch.uint8, device=images[0].device)
-    for (_, _, new_h, new_w), indices in groups.items():
+    for indices in groups.values():
+        new_h, new_w = sizes[indices[0]]
         same = (
             torch.stack([images[i] for i in indices])
             if len(indices) > 1

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -92,21 +94,18 @@ def _batches(reference, count: int, size: int) -> list:
     return [reference.batch[rows] + 0.1 * i for i in range(count)]
 
 
-def test_warm_up_input_is_drawn_while_another_thread_captures_a_graph() -> None:
-    """A replica's engines capture graphs in background threads; another engine's warm-up
-    input (a second model version loading meanwhile) must not come from the default CUDA
-    generator, which torch marks as capturing for every thread while one captures."""
-    import threading
-
-    from engines.cuda_graphs import sample_input
-
-    device = torch.device("cuda:0")
+@contextlib.contextmanager
+def _capturing_on_another_thread(device: torch.device, lock=None):
+    """A CUDA graph capture held open on another thread (holding `lock` where given) for
+    the block, as an engine's background capture is; yields the graph, the tensor its one
+    kernel adds 1 to, and the event that ends the capture early."""
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
     static = torch.zeros(4, device=device)
     inside, release = threading.Event(), threading.Event()
 
     def capture() -> None:
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        held = lock or contextlib.nullcontext()
+        with held, torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
             static.add_(1)
             inside.set()
             release.wait(30)
@@ -115,12 +114,23 @@ def test_warm_up_input_is_drawn_while_another_thread_captures_a_graph() -> None:
     thread.start()
     try:
         assert inside.wait(30)
-        # torch.randn(4, device=device) fails here (torch 2.11): "Offset increment outside
-        # graph capture encountered unexpectedly"
-        assert sample_input((2, 3, 8, 8), device).shape == (2, 3, 8, 8)
+        yield graph, static, release
     finally:
         release.set()
         thread.join()
+
+
+def test_warm_up_input_is_drawn_while_another_thread_captures_a_graph() -> None:
+    """A replica's engines capture graphs in background threads; another engine's warm-up
+    input (a second model version loading meanwhile) must not come from the default CUDA
+    generator, which torch marks as capturing for every thread while one captures."""
+    from engines.cuda_graphs import sample_input
+
+    device = torch.device("cuda:0")
+    with _capturing_on_another_thread(device):
+        # torch.randn(4, device=device) fails here (torch 2.11): "Offset increment outside
+        # graph capture encountered unexpectedly"
+        assert sample_input((2, 3, 8, 8), device).shape == (2, 3, 8, 8)
 
 
 def test_an_engine_starting_while_another_captures_waits_its_turn(model) -> None:
@@ -129,34 +139,17 @@ def test_an_engine_starting_while_another_captures_waits_its_turn(model) -> None
     loading while another still captures its smaller buckets in the background; make
     test-gpu on an H200 failed so). Engines take turns (cuda_graphs.CAPTURING): one started
     meanwhile waits, then captures every bucket, and the other capture stays whole."""
-    import threading
-
     from engines import create_engine
     from engines.cuda_graphs import CAPTURING
 
     device = torch.device("cuda:0")
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
-    static = torch.zeros(4, device=device)
-    inside, release = threading.Event(), threading.Event()
-
-    def capture() -> None:  # as an engine captures: holding CAPTURING
-        with CAPTURING, torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-            static.add_(1)
-            inside.set()
-            release.wait(30)
-
-    thread = threading.Thread(target=capture)
-    thread.start()
-    try:
-        assert inside.wait(30)
+    # as an engine captures: holding CAPTURING
+    with _capturing_on_another_thread(device, CAPTURING) as (graph, static, release):
         threading.Timer(2.0, release.set).start()
         with create_engine(
             "torch-cuda", model, max_batch_size=8, background_capture=False
         ) as engine:
             assert engine.planner.buckets == engine.buckets
-    finally:
-        release.set()
-        thread.join()
     graph.replay()
     torch.cuda.synchronize()
     assert static.tolist() == [1.0] * 4  # the capture the engine waited for is whole
@@ -187,8 +180,6 @@ def test_background_capture_serves_at_once_and_adds_every_bucket(
 ) -> None:
     """Ready with the largest bucket only; batches sent while the others are captured get the
     same answers (to FP16's tolerance) as once every bucket is in."""
-    import threading
-
     import numpy as np
 
     from engines import create_engine
