@@ -18,7 +18,6 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.autoscaling import PORT_CALLS
 from serve_app.config import AppConfig, BatchingConfig, Group, deployment_name, groups
-from serve_app import interpreter
 from serve_app.ingress import Ingress
 from serve_app.logs import to_serve_log
 from serve_app.messages import Answer, Batch, Served
@@ -57,7 +56,6 @@ class Stages:
     async def __init__(self, config: dict, stages: Group, next: DeploymentHandle | None) -> None:
         to_serve_log()
         config = AppConfig.model_validate(config)
-        interpreter.configure(config)
         context = serve.get_replica_context()
         registry = ModelRegistry(RayStore(), config.instance)
         self._drain_s = config.limits.drain_timeout_s

@@ -184,11 +184,6 @@ class AppConfig(_Strict):
     # requests' images to stage replicas on its node instead of sending them in the call
     # (serve_app/shared_images.py); 0: calls carry the images.
     shared_images_bytes: int = Field(0, ge=0)
-    # How long a replica's Python thread may hold the GIL while another thread waits for it
-    # (sys.setswitchinterval), in ms; None: Python's own 5 ms. An Inference replica runs its
-    # event loop, nvJPEG thread and engine threads in one process: a thread done with the
-    # GPU may wait this long for the GIL before it hands its result on.
-    gil_switch_interval_ms: float | None = Field(None, gt=0.0, le=100.0)
 
     @model_validator(mode="after")
     def _stages_in_order(self) -> AppConfig:

@@ -23,7 +23,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from raystream.oip import grpc_predict_v2_pb2 as oip
-from serve_app import interpreter, v1
+from serve_app import v1
 from serve_app.config import STAGES, AppConfig, deployment_names
 from serve_app.core import ServingCore
 from serve_app.lifecycle import ModelLifecycle
@@ -58,7 +58,6 @@ class Ingress:
         to_serve_log()
         self._server: grpc.aio.Server | None = None
         self._config = AppConfig.model_validate(config)
-        interpreter.configure(self._config)
         self._local: StageGroup | None = None
         self._chain: StageChain | None = None
         replica = serve.get_replica_context().replica_id.unique_id
