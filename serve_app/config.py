@@ -65,6 +65,11 @@ class LimitsConfig(_Strict):
     drain_timeout_s: float = Field(10.0, ge=0.0)  # shutdown: time to answer what was read
     # An engine call running longer fails the replica's health check: Serve replaces it
     engine_stall_timeout_s: float = Field(120.0, gt=0.0)
+    # A model version not loaded and warmed (graphs captured, first batch run) in this long
+    # is stuck: a replica loading it at start fails to start, one loading it at run time
+    # fails its health check (Serve replaces either: a stuck thread cannot be stopped), and
+    # the ingress withdraws a run-time load not ready everywhere by then.
+    load_timeout_s: float = Field(600.0, gt=0.0)
 
 
 class SecurityConfig(_Strict):

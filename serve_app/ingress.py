@@ -96,6 +96,7 @@ class Ingress:
             self._config.model_repository,
             self._config.model_entries,
             limits.drain_timeout_s,
+            limits.load_timeout_s,
         )
         wanted = registry.start(initial_versions(self._config))
         while not all(key in self._core.models for key in wanted):  # the stages warm up

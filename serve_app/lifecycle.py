@@ -31,7 +31,6 @@ from serve_app.registry import POLL_S, ModelRegistry, key_of, parse_model_name, 
 logger = logging.getLogger(__name__)
 
 ROUTES = "ingress-routes"  # the deployment name under which ingresses report their routes
-LOAD_TIMEOUT_S = 600.0  # GPU engines capture graphs for minutes
 T = TypeVar("T")
 
 
@@ -54,6 +53,7 @@ class ModelLifecycle:
         repository: Path,
         policies: Iterable[ModelEntry] = (),
         drain_timeout_s: float = 10.0,
+        load_timeout_s: float = 600.0,
     ) -> None:
         """`info(key)`: what a stage replica that holds the version reports of it."""
         self._core, self._registry = core, registry
@@ -62,6 +62,7 @@ class ModelLifecycle:
         self._repository = repository
         self._policies = {entry.name: entry for entry in policies}
         self._drain_timeout_s = drain_timeout_s
+        self._load_timeout_s = load_timeout_s
         # one load or unload of a model at a time in this ingress; other models' go on
         self._locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(
             asyncio.Lock
@@ -195,9 +196,9 @@ class ModelLifecycle:
 
     async def _until_routed(self, keys: list[str]) -> None:
         """Waits until this ingress routes every key. A load that fails on some replica, or
-        is not ready everywhere in LOAD_TIMEOUT_S, is withdrawn (its keys not routed yet are
+        is not ready everywhere in `load_timeout_s`, is withdrawn (its keys not routed yet are
         no longer wanted), so it never serves later beside the versions it was to replace."""
-        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        deadline = time.monotonic() + self._load_timeout_s
         while not all(key in self._core.models for key in keys):
             failed = await asyncio.to_thread(self._registry.failures, self._stages)
             errors = {key: failed[key] for key in keys if key in failed}
@@ -207,7 +208,10 @@ class ModelLifecycle:
                 await asyncio.to_thread(self._registry.remove, unready, "serve")
                 if errors:
                     raise Unavailable(f"{LOAD_FAILED}: {errors}")
-                raise DeadlineExceeded(f"{keys} not ready on every replica in {LOAD_TIMEOUT_S} s")
+                raise DeadlineExceeded(
+                    f"{keys} not ready on every replica in limits.load_timeout_s "
+                    f"({self._load_timeout_s:g} s)"
+                )
             await asyncio.sleep(POLL_S)
 
     async def _unload(self, keys: list[str]) -> None:

@@ -21,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
@@ -38,6 +39,7 @@ from serve_app.registry import POLL_S, ModelRegistry, key_of, split_key
 from serve_app.stage_port import PortCalls
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 # Serve's gRPC transport between replicas (`_by_reference=False`): a call's argument and
@@ -233,12 +235,15 @@ class StageGroup:
         group.models: dict[str, ModelStages] = {}
         group._unloading: dict[str, ModelStages] = {}  # still watched while they close
         group.failed: dict[str, str] = {}
+        group._stuck: str | None = None  # a load past limits.load_timeout_s (check_health)
         group._preprocess: dict[PreprocessSpec, PreprocessStage] = {}
         group._user_config: dict | None = None
         group._default = config.model
         initial = initial_versions(config)
         wanted = initial if registry is None else list(registry.start(initial))
         await group._sync(wanted)
+        if group._stuck is not None:  # Serve starts another replica in this one's place
+            raise RuntimeError(group._stuck)
         group._follow_task = group._sync_task = None
         if registry is not None:
             await group._report()
@@ -253,11 +258,21 @@ class StageGroup:
             if key in self.models or key in self.failed:
                 continue
             name, version = split_key(key)
+            limit = self._config.limits.load_timeout_s
             try:
                 model = resolve(self._config.model_repository, name, version)
-                self.models[key] = await ModelStages.create(
-                    self._config, self._stages, model, self._preprocess_stage
+                loaded = await _within(
+                    limit,
+                    ModelStages.create(self._config, self._stages, model, self._preprocess_stage),
                 )
+                if loaded is None:  # its thread goes on: only a new process is clean
+                    self._stuck = self.failed[key] = (
+                        f"loading model {key} ran past limits.load_timeout_s ({limit:g} s); "
+                        f"it is stuck"
+                    )
+                    logger.error(self._stuck)
+                    continue
+                self.models[key] = loaded
             except Exception as exc:  # reported: the load that asked for it fails
                 logger.exception("loading %s failed", key)
                 self.failed[key] = f"{type(exc).__name__}: {exc}"
@@ -286,7 +301,11 @@ class StageGroup:
     def check_health(self) -> None:
         """Raises where an engine or nvJPEG call has run past `limits.engine_stall_timeout_s`:
         it is stuck (a hung GPU or runtime), and Serve replaces a replica whose health check
-        fails; the calls it held are sent again elsewhere (serve_app/core.py)."""
+        fails; the calls it held are sent again elsewhere (serve_app/core.py). Raises too
+        once a model version's load has run past `limits.load_timeout_s`."""
+        if self._stuck is not None:
+            logger.error(self._stuck)
+            raise RuntimeError(self._stuck)
         limit = self._config.limits.engine_stall_timeout_s
         held = {**self.models, **self._unloading}
         stages = [(f"model {key}", s.inference) for key, s in held.items() if s.inference]
@@ -389,3 +408,15 @@ class StageGroup:
     @staticmethod
     def pid() -> int:
         return os.getpid()
+
+
+async def _within(limit_s: float, work: Coroutine[object, object, T]) -> T | None:
+    """`work`'s result, or None once `limit_s` has passed. Then `work` is cancelled but not
+    awaited: a load stuck in a thread (a hung GPU) would hold up its own cancellation."""
+    task = asyncio.ensure_future(work)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=limit_s)
+    finally:
+        if not task.done():
+            task.cancel()
+    return task.result() if done else None

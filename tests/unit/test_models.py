@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 
+import numpy as np
 import pytest
 
 from engines.repository import ModelNotFoundError, resolve, select_versions
@@ -15,7 +17,7 @@ from serve_app.config import STAGES, AppConfig, BatchingConfig
 from serve_app.core import ServingCore
 from serve_app.errors import Code, InvalidArgument, ModelNotFound
 from serve_app.lifecycle import ModelLifecycle
-from serve_app.messages import Answer, Job
+from serve_app.messages import Answer, Batch, Job
 from serve_app.oip import OpenInferenceService
 from serve_app.registry import MemoryStore, ModelRegistry
 from serve_app.streams import StreamRunner
@@ -110,7 +112,13 @@ def test_a_torch_program_changed_since_export_is_named(model, tmp_path) -> None:
 
 
 @contextlib.asynccontextmanager
-async def served(repository, versions: list[str], store=None, drain_timeout_s: float = 5):
+async def served(
+    repository,
+    versions: list[str],
+    store=None,
+    drain_timeout_s: float = 5,
+    load_timeout_s: float = 600,
+):
     """An ingress' core and lifecycle over one StageGroup (as in topology direct)."""
     config = AppConfig(
         model_repository=repository,
@@ -133,6 +141,7 @@ async def served(repository, versions: list[str], store=None, drain_timeout_s: f
         repository,
         config.models,
         drain_timeout_s=drain_timeout_s,
+        load_timeout_s=load_timeout_s,
     )
     await life.follow_once()
     life.start()
@@ -438,17 +447,15 @@ async def test_a_replica_loading_a_version_still_reports_what_it_holds(
         assert sorted(group.models) == [f"{MODEL}/{old}", f"{MODEL}/{new}"]
 
 
-async def test_a_load_past_its_timeout_is_withdrawn(two_versions, versions, monkeypatch) -> None:
-    """A load not ready everywhere in LOAD_TIMEOUT_S fails and is no longer wanted: the
+async def test_a_load_past_its_timeout_is_withdrawn(two_versions, versions) -> None:
+    """A load not ready everywhere in limits.load_timeout_s fails and is no longer wanted: the
     replicas that had not loaded it never serve it later beside the versions it was to
     replace (its unload step never ran)."""
-    import serve_app.lifecycle as lifecycle
     from serve_app.errors import DeadlineExceeded
 
     old, new = versions
-    monkeypatch.setattr(lifecycle, "LOAD_TIMEOUT_S", 1.0)
     store = MemoryStore()
-    async with served(two_versions, [old], store) as (core, life, _):
+    async with served(two_versions, [old], store, load_timeout_s=1.0) as (core, life, _):
         registry = ModelRegistry(store, "test")
 
         async def stuck_replica() -> None:  # alive, never loads the new version
@@ -517,3 +524,74 @@ def test_the_desired_state_is_one_key_per_version(monkeypatch) -> None:
     monkeypatch.setattr("serve_app.registry.START_WAIT_S", 0.1)
     store.put("dead/start/claimed", b"")
     assert ModelRegistry(store, "dead").start(["m/1"]) == {"m/1": "serve"}
+
+
+def _warm_ups_stuck_after(loads: int, monkeypatch) -> threading.Event:
+    """Engine warm-ups past the first `loads` hang (a hung GPU while capturing, say) until
+    the event returned is set; then they go on as usual."""
+    import serve_app.inference as inference
+
+    real, started = inference._warm_engine, iter(range(1 << 30))
+    release = threading.Event()
+
+    def warm(config, model):
+        if next(started) >= loads:
+            release.wait(30)
+        return real(config, model)
+
+    monkeypatch.setattr(inference, "_warm_engine", warm)
+    return release
+
+
+def _echo_config(repository, versions: list[str], load_timeout_s: float) -> AppConfig:
+    return AppConfig(
+        model_repository=repository,
+        models=[{"name": MODEL, "versions": versions}],
+        engine={"kind": "echo"},
+        limits={"load_timeout_s": load_timeout_s},
+    )
+
+
+async def test_a_replica_whose_model_load_is_stuck_fails_to_start(
+    two_versions, versions, monkeypatch
+) -> None:
+    """A load past limits.load_timeout_s is stuck for good (its thread cannot be stopped):
+    the replica's constructor fails, and Serve starts another in its place."""
+    release = _warm_ups_stuck_after(0, monkeypatch)
+    config = _echo_config(two_versions, [versions[0]], load_timeout_s=0.5)
+    try:
+        with pytest.raises(RuntimeError, match=r"ran past limits.load_timeout_s \(0.5 s\)"):
+            await asyncio.wait_for(StageGroup.create(config, STAGES), 10)
+    finally:
+        release.set()
+
+
+async def test_a_load_stuck_at_run_time_fails_it_and_the_health_check_not_the_serving(
+    two_versions, versions, monkeypatch
+) -> None:
+    """A version that never finishes loading in a running replica fails (the ingress that
+    asked for it hears so) and fails the replica's health check, so that Serve replaces the
+    replica; the version it already held answers meanwhile."""
+    old, new = versions
+    release = _warm_ups_stuck_after(1, monkeypatch)
+    registry = ModelRegistry(MemoryStore(), "test")
+    config = _echo_config(two_versions, [old], load_timeout_s=0.5)
+    group = await StageGroup.create(config, STAGES, registry, "Inference", "r1")
+    try:
+        group.check_health()
+        registry.set_state([f"{MODEL}/{new}"], "serve")
+        for _ in range(100):
+            if f"{MODEL}/{new}" in registry.failures(["Inference"]):
+                break
+            await asyncio.sleep(0.05)
+        assert (
+            "ran past limits.load_timeout_s" in registry.failures(["Inference"])[f"{MODEL}/{new}"]
+        )
+        with pytest.raises(RuntimeError, match=rf"loading model {MODEL}/{new} ran past"):
+            group.check_health()
+        job = Job(id="a", pixels=np.zeros((1, 3, 224, 224), np.float32))
+        (answer,) = await group.run(Batch(jobs=(job,), model=f"{MODEL}/{old}"))
+        assert answer.code == Code.OK, answer.message
+    finally:
+        release.set()
+        group.stop()
