@@ -240,6 +240,9 @@ async def _models(args: argparse.Namespace) -> int:
             elif args.action == "unload":
                 await client.unload_model(args.name, timeout=args.timeout)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and args.timeout is None:
+                gave_up = f"the server gave up on {args.action} {args.name}: {exc.details()}"
+                raise CliError(gave_up) from None
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise CliError(
                     f"no answer within --timeout {args.timeout:g} s; the server goes on "
@@ -556,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=seconds,
         default=None,
         help="load, unload: stop waiting after this many seconds (the server goes on; "
-        "default: wait, up to the server's 600 s for a load)",
+        "default: wait, up to the server's limits.load_timeout_s for a load)",
     )
     p.add_argument("--server", default=DEFAULT_SERVER, help="host:port (default %(default)s)")
     _add_connection_options(p)

@@ -164,10 +164,15 @@ class DynamicBatcher(Generic[T, R]):
 
     async def close(self) -> None:
         """Stop the workers; the requests still queued or running fail (Unavailable)."""
+        self.abandon()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+
+    def abandon(self) -> None:
+        """close() without waiting for the workers to stop: for a stage given up while its
+        thread may be stuck (a warm-up past limits.load_timeout_s)."""
         self._closed = True
         for worker in self._workers:
             worker.cancel()
-        await asyncio.gather(*self._workers, return_exceptions=True)
         _fail(self._queue, _closed())
         self._queue.clear()
         self._queued_images = 0

@@ -130,6 +130,16 @@ class InferenceStage:
         self._engine = await asyncio.to_thread(_warm_engine, config, model)
         cpu = self._engine.info.device == "cpu"
         self._executor = ThreadPoolExecutor(MAX_CONCURRENT_BATCHES, thread_name_prefix="engine")
+        # crops decoded on the GPU (here, or in a Preprocess replica) stay there for the engine
+        self._crops_on_device = not cpu
+        self._nvjpeg = NvjpegQueue(config, model.spec.preprocess) if decodes else None
+        if self._nvjpeg is not None:
+            try:
+                await self._warm_decoder()
+            except BaseException:  # failed, or given up: nothing waits for a stuck thread
+                self._nvjpeg.abandon()
+                self._executor.shutdown(wait=False)
+                raise
         self._closed = False  # unloaded (close)
         self._watch = StallWatch()  # the engine calls running (limits.engine_stall_timeout_s)
         self._batching = BatchingConfig()
@@ -146,11 +156,6 @@ class InferenceStage:
             )
             for kind in ("uint8", "float32", "device")
         }
-        # crops decoded on the GPU (here, or in a Preprocess replica) stay there for the engine
-        self._crops_on_device = not cpu
-        self._nvjpeg = NvjpegQueue(config, model.spec.preprocess) if decodes else None
-        if self._nvjpeg is not None:
-            await self._warm_decoder()
         self.reconfigure(BatchingConfig().model_dump())
         logger.info("engine ready: %s", self._engine.info)
 

@@ -31,6 +31,10 @@ from serve_app.registry import POLL_S, ModelRegistry, key_of, parse_model_name, 
 logger = logging.getLogger(__name__)
 
 ROUTES = "ingress-routes"  # the deployment name under which ingresses report their routes
+# An ingress waits this much past limits.load_timeout_s for a load: a stage replica's own
+# timeout (its load starts up to POLL_S after the ask, its report comes within POLL_S)
+# fires first, so the caller hears which version is stuck rather than a bare deadline.
+REPORT_MARGIN_S = 4 * POLL_S
 T = TypeVar("T")
 
 
@@ -198,7 +202,7 @@ class ModelLifecycle:
         """Waits until this ingress routes every key. A load that fails on some replica, or
         is not ready everywhere in `load_timeout_s`, is withdrawn (its keys not routed yet are
         no longer wanted), so it never serves later beside the versions it was to replace."""
-        deadline = time.monotonic() + self._load_timeout_s
+        deadline = time.monotonic() + self._load_timeout_s + REPORT_MARGIN_S
         while not all(key in self._core.models for key in keys):
             failed = await asyncio.to_thread(self._registry.failures, self._stages)
             errors = {key: failed[key] for key in keys if key in failed}

@@ -69,6 +69,12 @@ class NvjpegQueue:
         await self._queue.close()
         await asyncio.shield(asyncio.to_thread(self._executor.shutdown))
 
+    def abandon(self) -> None:
+        """close() without waiting for the decode thread, which may be stuck (a warm-up
+        given up): it ends when its call does."""
+        self._queue.abandon()
+        self._executor.shutdown(wait=False)
+
     async def _decode_many(self, pieces: list[list[bytes]]) -> list:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(

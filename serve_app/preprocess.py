@@ -64,6 +64,11 @@ class PreprocessStage:
         if self._nvjpeg is not None:
             await self._nvjpeg.close()
 
+    def abandon(self) -> None:
+        """close() for a stage given up while its decode thread may be stuck."""
+        if self._nvjpeg is not None:
+            self._nvjpeg.abandon()
+
     def stalled_s(self) -> float:
         """How long its nvJPEG decode running now has run; 0 if none runs (or none here)."""
         return self._nvjpeg.stalled_s() if self._nvjpeg is not None else 0.0

@@ -241,7 +241,7 @@ class StageGroup:
         group._default = config.model
         initial = initial_versions(config)
         wanted = initial if registry is None else list(registry.start(initial))
-        await group._sync(wanted)
+        await group._sync(wanted, at_start=True)
         if group._stuck is not None:  # Serve starts another replica in this one's place
             raise RuntimeError(group._stuck)
         group._follow_task = group._sync_task = None
@@ -252,9 +252,15 @@ class StageGroup:
 
     # -- the models held ----------------------------------------------------------------------
 
-    async def _sync(self, wanted: list[str]) -> None:
-        """Load (and warm) the versions wanted and not held; drop those held and not wanted."""
+    async def _sync(self, wanted: list[str], at_start: bool = False) -> None:
+        """Load (and warm) the versions wanted and not held; drop those held and not wanted.
+        A load stuck past limits.load_timeout_s ends the loading: this replica is to be
+        replaced (check_health). At run time the version is no longer wanted either, as the
+        ingress that asked for it decides at the same deadline (it may have gone): else
+        every replica started in this one's place would load it and get stuck again."""
         for key in wanted:
+            if self._stuck is not None:
+                break
             if key in self.models or key in self.failed:
                 continue
             name, version = split_key(key)
@@ -265,18 +271,19 @@ class StageGroup:
                     limit,
                     ModelStages.create(self._config, self._stages, model, self._preprocess_stage),
                 )
-                if loaded is None:  # its thread goes on: only a new process is clean
-                    self._stuck = self.failed[key] = (
-                        f"loading model {key} ran past limits.load_timeout_s ({limit:g} s); "
-                        f"it is stuck"
-                    )
-                    logger.error(self._stuck)
-                    continue
-                self.models[key] = loaded
             except Exception as exc:  # reported: the load that asked for it fails
                 logger.exception("loading %s failed", key)
                 self.failed[key] = f"{type(exc).__name__}: {exc}"
                 continue
+            if loaded is None:  # its thread goes on: only a new process is clean
+                self._stuck = self.failed[key] = (
+                    f"loading model {key} ran past limits.load_timeout_s ({limit:g} s); it is stuck"
+                )
+                logger.error(self._stuck)
+                if not at_start and self._registry is not None:
+                    await asyncio.to_thread(self._registry.remove, [key], "serve")
+                continue
+            self.models[key] = loaded
             if self._user_config is not None and self.models[key].inference is not None:
                 self.models[key].inference.reconfigure(self._user_config)
             logger.info("model %s loaded", key)
@@ -287,8 +294,9 @@ class StageGroup:
             finally:
                 del self._unloading[key]
             logger.info("model %s unloaded", key)
-        for key in [key for key in self.failed if key not in wanted]:
-            del self.failed[key]  # asked again later: tried again
+        if self._stuck is None:  # a stuck replica reports its failures until it is replaced
+            for key in [key for key in self.failed if key not in wanted]:
+                del self.failed[key]  # asked again later: tried again
 
     async def _report(self) -> None:
         """What this replica holds and failed to load, as of now (read on the event loop,
@@ -355,8 +363,8 @@ class StageGroup:
             stage = PreprocessStage(self._config, spec, decodes=decodes)
             try:
                 await stage.warm()
-            except BaseException:
-                await stage.close()  # its decode thread; a later load makes another
+            except BaseException:  # failed, or given up (stuck): a later load makes another
+                stage.abandon()
                 raise
             self._preprocess[spec] = stage
         return self._preprocess[spec]

@@ -307,3 +307,28 @@ def test_a_load_past_its_timeout_says_the_server_goes_on(listener) -> None:
     result = _cli("models", "load", "m", "--timeout", "0.5", "--server", address, timeout=60)
     line = _one_line(result)
     assert "no answer within --timeout 0.5 s; the server goes on with load m" in line, line
+
+
+def test_a_load_the_server_gives_up_on_says_why() -> None:
+    """`models load` with no --timeout, against a server that answers the load with its own
+    DEADLINE_EXCEEDED (its limits.load_timeout_s passed): one line with the server's
+    reason, not a gRPC error."""
+    reason = "['m/2'] not ready on every replica in limits.load_timeout_s (600 s)"
+
+    def give_up(request, context):
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, reason)
+
+    service = "inference.GRPCInferenceService"
+    handler = grpc.method_handlers_generic_handler(
+        service, {"RepositoryModelLoad": grpc.unary_unary_rpc_method_handler(give_up)}
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        result = _cli("models", "load", "m", "--server", f"127.0.0.1:{port}")
+    finally:
+        server.stop(None)
+    line = _one_line(result)
+    assert f"the server gave up on load m: {reason}" in line, line

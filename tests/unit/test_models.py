@@ -526,21 +526,23 @@ def test_the_desired_state_is_one_key_per_version(monkeypatch) -> None:
     assert ModelRegistry(store, "dead").start(["m/1"]) == {"m/1": "serve"}
 
 
-def _warm_ups_stuck_after(loads: int, monkeypatch) -> threading.Event:
+class _StuckWarmUps:
     """Engine warm-ups past the first `loads` hang (a hung GPU while capturing, say) until
-    the event returned is set; then they go on as usual."""
-    import serve_app.inference as inference
+    `release` is set; then they go on as usual. `started`: the warm-ups begun."""
 
-    real, started = inference._warm_engine, iter(range(1 << 30))
-    release = threading.Event()
+    def __init__(self, loads: int, monkeypatch) -> None:
+        import serve_app.inference as inference
 
-    def warm(config, model):
-        if next(started) >= loads:
-            release.wait(30)
-        return real(config, model)
+        real = inference._warm_engine
+        self.release, self.started = threading.Event(), 0
 
-    monkeypatch.setattr(inference, "_warm_engine", warm)
-    return release
+        def warm(config, model):
+            self.started += 1
+            if self.started > loads:
+                self.release.wait(30)
+            return real(config, model)
+
+        monkeypatch.setattr(inference, "_warm_engine", warm)
 
 
 def _echo_config(repository, versions: list[str], load_timeout_s: float) -> AppConfig:
@@ -556,8 +558,37 @@ async def test_a_replica_whose_model_load_is_stuck_fails_to_start(
     two_versions, versions, monkeypatch
 ) -> None:
     """A load past limits.load_timeout_s is stuck for good (its thread cannot be stopped):
-    the replica's constructor fails, and Serve starts another in its place."""
-    release = _warm_ups_stuck_after(0, monkeypatch)
+    the replica's constructor fails, and Serve starts another in its place. It loads
+    nothing more meanwhile (the next version would wait out the limit too)."""
+    old, new = versions
+    stuck = _StuckWarmUps(0, monkeypatch)
+    config = _echo_config(two_versions, [old, new], load_timeout_s=0.5)
+    try:
+        with pytest.raises(
+            RuntimeError, match=rf"loading model {MODEL}/{old} ran past limits.load_timeout_s"
+        ):
+            await asyncio.wait_for(StageGroup.create(config, STAGES), 10)
+        assert stuck.started == 1
+    finally:
+        stuck.release.set()
+
+
+async def test_a_stuck_load_is_given_up_even_where_its_cleanup_waits_for_the_stuck_thread(
+    two_versions, versions, monkeypatch
+) -> None:
+    """A stage's cleanup on cancel may wait for its stuck thread (a decode thread's shutdown
+    does): the load is given up at its limit all the same, not when the thread ends."""
+    import serve_app.topology as topology
+
+    release = threading.Event()
+
+    async def stuck_load(*args, **kwargs):
+        try:
+            await asyncio.to_thread(release.wait, 30)
+        finally:
+            await asyncio.to_thread(release.wait, 30)
+
+    monkeypatch.setattr(topology.ModelStages, "create", staticmethod(stuck_load))
     config = _echo_config(two_versions, [versions[0]], load_timeout_s=0.5)
     try:
         with pytest.raises(RuntimeError, match=r"ran past limits.load_timeout_s \(0.5 s\)"):
@@ -566,14 +597,15 @@ async def test_a_replica_whose_model_load_is_stuck_fails_to_start(
         release.set()
 
 
-async def test_a_load_stuck_at_run_time_fails_it_and_the_health_check_not_the_serving(
+async def test_a_load_stuck_at_run_time_fails_and_is_withdrawn_and_the_replica_replaced(
     two_versions, versions, monkeypatch
 ) -> None:
-    """A version that never finishes loading in a running replica fails (the ingress that
-    asked for it hears so) and fails the replica's health check, so that Serve replaces the
+    """A version that never finishes loading in a running replica fails (reported, with
+    why, for the ingress that asked), is no longer wanted (else each replacement would get
+    stuck on it again), and fails the replica's health check, so that Serve replaces the
     replica; the version it already held answers meanwhile."""
     old, new = versions
-    release = _warm_ups_stuck_after(1, monkeypatch)
+    stuck = _StuckWarmUps(1, monkeypatch)
     registry = ModelRegistry(MemoryStore(), "test")
     config = _echo_config(two_versions, [old], load_timeout_s=0.5)
     group = await StageGroup.create(config, STAGES, registry, "Inference", "r1")
@@ -584,14 +616,15 @@ async def test_a_load_stuck_at_run_time_fails_it_and_the_health_check_not_the_se
             if f"{MODEL}/{new}" in registry.failures(["Inference"]):
                 break
             await asyncio.sleep(0.05)
-        assert (
-            "ran past limits.load_timeout_s" in registry.failures(["Inference"])[f"{MODEL}/{new}"]
-        )
+        failure = registry.failures(["Inference"])[f"{MODEL}/{new}"]
+        assert "ran past limits.load_timeout_s" in failure
+        assert list(registry.desired()) == [f"{MODEL}/{old}"]
         with pytest.raises(RuntimeError, match=rf"loading model {MODEL}/{new} ran past"):
             group.check_health()
         job = Job(id="a", pixels=np.zeros((1, 3, 224, 224), np.float32))
         (answer,) = await group.run(Batch(jobs=(job,), model=f"{MODEL}/{old}"))
         assert answer.code == Code.OK, answer.message
+        assert stuck.started == 2
     finally:
-        release.set()
+        stuck.release.set()
         group.stop()
