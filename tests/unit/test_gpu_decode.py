@@ -331,3 +331,38 @@ def test_preprocess_decodes_on_gpu_only_in_a_preprocess_deployment_of_its_own(
                 model_repository=model_repository,
                 **{**right, **wrong},
             )
+
+
+@pytest.mark.parametrize("preprocess_apart", [False, True])
+async def test_a_decoder_warm_up_given_up_leaves_nothing_running(
+    model_repository, monkeypatch, stand_in_nvjpeg, caplog, preprocess_apart
+) -> None:
+    """nvJPEG's warm-up hangs (a stand-in on the CPU): the load is given up at
+    limits.load_timeout_s, and the stage it was building leaves no batcher worker pending
+    (garbage-collected later as "Task was destroyed but it is pending") and waits for no
+    stuck decode thread."""
+    import gc
+
+    from engines import gpu_decode
+
+    release = threading.Event()
+    monkeypatch.setattr(gpu_decode.GpuJpegDecoder, "warmup", lambda self: release.wait(30))
+    settings = {"preprocess_decodes_on_gpu": True, "stage_calls": "port"}
+    config = AppConfig(
+        model_repository=model_repository,
+        decode="gpu",
+        limits={"load_timeout_s": 0.5},
+        **(settings if preprocess_apart else {}),
+    )
+    stages = ("preprocess",) if preprocess_apart else STAGES
+    try:
+        with pytest.raises(RuntimeError, match=r"ran past limits\.load_timeout_s"):
+            await asyncio.wait_for(StageGroup.create(config, stages), 10)
+        await asyncio.sleep(0.1)  # the cancelled workers end
+        gc.collect()
+        await asyncio.sleep(0)
+        pending = [t for t in asyncio.all_tasks() if "DynamicBatcher" in repr(t.get_coro())]
+        assert not pending, pending
+        assert "Task was destroyed but it is pending" not in caplog.text
+    finally:
+        release.set()
