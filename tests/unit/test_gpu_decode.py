@@ -355,13 +355,15 @@ async def test_a_decoder_warm_up_given_up_leaves_nothing_running(
         **(settings if preprocess_apart else {}),
     )
     stages = ("preprocess",) if preprocess_apart else STAGES
+    before = asyncio.all_tasks()  # other tests' stages may share this event loop
     try:
         with pytest.raises(RuntimeError, match=r"ran past limits\.load_timeout_s"):
             await asyncio.wait_for(StageGroup.create(config, stages), 10)
         await asyncio.sleep(0.1)  # the cancelled workers end
         gc.collect()
         await asyncio.sleep(0)
-        pending = [t for t in asyncio.all_tasks() if "DynamicBatcher" in repr(t.get_coro())]
+        started = asyncio.all_tasks() - before
+        pending = [t for t in started if "DynamicBatcher" in repr(t.get_coro())]
         assert not pending, pending
         assert "Task was destroyed but it is pending" not in caplog.text
     finally:
