@@ -216,7 +216,7 @@ class ServerProcesses:
     def measure(self, start: float, end: float, stop: threading.Event) -> dict:
         """Sleeps until `start`, samples until `end`; the CPU seconds spent in between."""
         time.sleep(max(start - time.time(), 0))
-        first = self.scan()
+        first, host_before = self.scan(), _host_ticks()
         last = dict(first)
         while time.time() < end and not stop.is_set():
             time.sleep(min(self.interval, max(end - time.time(), 0)))
@@ -227,12 +227,31 @@ class ServerProcesses:
             spent = (ticks - first.get(key, (0, ""))[0]) / TICK
             by_name[name] = by_name.get(name, 0.0) + spent
             busiest = max(busiest, (name, spent), key=lambda pair: pair[1])
+        host = {
+            kind: (after - before) / TICK / (end - start)
+            for kind, before, after in zip(HOST_TICKS, host_before, _host_ticks(), strict=True)
+        }
         return {
             "cpu_s": sum(by_name.values()),
+            # The whole machine's cores busy (the load client's included) and stolen by its
+            # hypervisor, on average over the window.
+            "host_cores": {kind: round(cores, 2) for kind, cores in host.items()},
             "processes": len(last),
             "cpu_s_by_process": dict(sorted(by_name.items(), key=lambda kv: -kv[1])),
             "busiest_process": {"name": busiest[0], "cores": busiest[1] / (end - start)},
         }
+
+
+HOST_TICKS = ("busy", "steal")
+
+
+def _host_ticks() -> tuple[int, int]:
+    """The machine's busy (user, nice, system, irq, softirq) and stolen clock ticks so far,
+    over all cores (/proc/stat's first line)."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(
+        int, Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+    )
+    return user + nice + system + irq + softirq, steal
 
 
 def _tcp_connections(port: int) -> int:
@@ -735,7 +754,14 @@ def _line(row: dict) -> str:
         + (_busiest(report.get("server_cpu", {}).get("busiest_process")))
         + (f"; GPU kernels running {gpu['sm']:.0f}% of the time" if "sm" in gpu else "")
         + (f", JPEG engines busy {gpu['jpg']:.0f}%" if "jpg" in gpu else "")
+        + _host(report.get("server_cpu", {}).get("host_cores"))
     )
+
+
+def _host(cores: dict | None) -> str:
+    if not cores:
+        return ""
+    return f"; the machine {cores['busy']:.1f} cores busy, {cores['steal']:.2f} stolen"
 
 
 def _busiest(process: dict | None) -> str:
