@@ -66,7 +66,6 @@ class GpuJpegDecoder:
         chunk: int | None = None,
         hybrid_decode: BatchDecode | None = None,
         hybrid_min_jpegs: int = 0,
-        high_priority: bool = False,
     ) -> None:
         """decode_batch: torchvision's batched nvJPEG when None (tests pass others);
         hybrid_decode: takes the calls of at least hybrid_min_jpegs JPEGs instead (nvJPEG's
@@ -74,11 +73,9 @@ class GpuJpegDecoder:
         (None: a call's all). Twelve processes decoding alone spent less CPU in chunks of 8
         than in calls of 64 (0.18 ms an image against 0.73), but the served config, its GPU
         busy with the engines too, served less at more CPU with them (docs/performance.md,
-        row 6): None unless the config's `nvjpeg_chunk` says. high_priority: the decode
-        threads' CUDA streams at the device's highest priority, so their kernels go ahead of
-        queued engine batches."""
+        row 6): None unless the config's `nvjpeg_chunk` says."""
         self._spec, self._limits, self._device = spec, limits, torch.device(device)
-        self._chunk, self._high_priority = chunk, high_priority
+        self._chunk = chunk
         self.decode_batch = decode_batch or self._torchvision_decoder()
         self._hybrid, self._hybrid_min_jpegs = hybrid_decode, hybrid_min_jpegs
         self._threads = threading.local()
@@ -157,9 +154,7 @@ class GpuJpegDecoder:
         if self._device.type != "cuda":
             return None
         if not hasattr(self._threads, "stream"):
-            _, highest = torch.cuda.Stream.priority_range()
-            priority = highest if self._high_priority else 0
-            self._threads.stream = torch.cuda.Stream(self._device, priority=priority)
+            self._threads.stream = torch.cuda.Stream(self._device)
         return self._threads.stream
 
 

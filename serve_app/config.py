@@ -162,9 +162,6 @@ class AppConfig(_Strict):
     # GPU_HYBRID would decode on the CPU, stay on the hardware. Every GPU wait of the
     # inference replicas then sleeps (as torch-cuda's blocking_sync).
     gpu_hybrid_decode: bool = False
-    # With decode: gpu, the decode threads' CUDA streams at the GPU's highest priority: their
-    # kernels (colour conversion, resize and crop) go ahead of queued engine batches.
-    decode_high_priority: bool = False
     # Structured request logs (JSON lines in the ingress replica's Serve log): every failed
     # request or image, and this fraction of the successful ones.
     log_sample_rate: float = Field(0.01, ge=0.0, le=1.0)
@@ -208,8 +205,6 @@ class AppConfig(_Strict):
     def _hybrid_decode_on_the_gpu(self) -> AppConfig:
         if self.gpu_hybrid_decode and self.decode != "gpu":
             raise ValueError("gpu_hybrid_decode needs decode: gpu")
-        if self.decode_high_priority and self.decode != "gpu":
-            raise ValueError("decode_high_priority needs decode: gpu")
         return self
 
     @model_validator(mode="after")

@@ -42,7 +42,6 @@ class NvjpegQueue:
             chunk=config.nvjpeg_chunk or None,
             hybrid_decode=hybrid,
             hybrid_min_jpegs=DECODE_BATCH,
-            high_priority=config.decode_high_priority,
         )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="nvjpeg")
         self._watch = StallWatch()

@@ -78,3 +78,23 @@ def test_settle_waits_while_the_server_is_busy_and_not_once_it_idles() -> None:
         busy.join()
     assert 3.0 <= waited < 30.0  # past the burn, not to the limit
     assert tree.settle(30.0, quiet_cores=0.5, step_s=1.0) < 5.0  # two quiet steps
+
+
+def test_a_window_counts_the_machines_busy_cores_beside_the_servers() -> None:
+    import multiprocessing
+    import os
+    import threading
+
+    tree = run.ServerProcesses(os.getpid())
+    busy = multiprocessing.get_context("spawn").Process(target=_burn, args=(2.5,))
+    start = time.time() + 0.5
+    busy.start()
+    try:
+        measured = tree.measure(start, start + 2.0, threading.Event())
+    finally:
+        busy.join()
+    assert set(measured["host_cores"]) == {"busy", "steal"}
+    # The burning child's core, which the server's own count (this process' tree) has too.
+    assert measured["cpu_s"] >= 1.4
+    assert measured["host_cores"]["busy"] >= 0.7
+    assert measured["host_cores"]["steal"] >= 0.0
