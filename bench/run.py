@@ -216,7 +216,7 @@ class ServerProcesses:
     def measure(self, start: float, end: float, stop: threading.Event) -> dict:
         """Sleeps until `start`, samples until `end`; the CPU seconds spent in between."""
         time.sleep(max(start - time.time(), 0))
-        first, host_before = self.scan(), _host_ticks()
+        first, host_before, throttled_before = self.scan(), _host_ticks(), _throttled()
         last = dict(first)
         while time.time() < end and not stop.is_set():
             time.sleep(min(self.interval, max(end - time.time(), 0)))
@@ -231,11 +231,18 @@ class ServerProcesses:
             kind: (after - before) / TICK / (end - start)
             for kind, before, after in zip(HOST_TICKS, host_before, _host_ticks(), strict=True)
         }
+        throttled = {
+            kind: round(after - throttled_before[kind], 3)
+            for kind, after in _throttled().items()
+            if kind in throttled_before
+        }
         return {
             "cpu_s": sum(by_name.values()),
             # The whole machine's cores busy (the load client's included) and stolen by its
-            # hypervisor, on average over the window.
+            # hypervisor, on average over the window; and, where this process' cgroup has a
+            # CPU quota, the quota periods in which it was throttled and the time throttled.
             "host_cores": {kind: round(cores, 2) for kind, cores in host.items()},
+            **({"cgroup_throttled": throttled} if throttled else {}),
             "processes": len(last),
             "cpu_s_by_process": dict(sorted(by_name.items(), key=lambda kv: -kv[1])),
             "busiest_process": {"name": busiest[0], "cores": busiest[1] / (end - start)},
@@ -252,6 +259,27 @@ def _host_ticks() -> tuple[int, int]:
         int, Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
     )
     return user + nice + system + irq + softirq, steal
+
+
+# cgroup v2, then v1: (cpu.stat, its throttled time's key, that key's unit in seconds)
+CPU_STATS = (
+    ("/sys/fs/cgroup/cpu.stat", "throttled_usec", 1e-6),
+    ("/sys/fs/cgroup/cpu/cpu.stat", "throttled_time", 1e-9),
+    ("/sys/fs/cgroup/cpu,cpuacct/cpu.stat", "throttled_time", 1e-9),
+)
+
+
+def _throttled() -> dict[str, float]:
+    """The CPU quota periods this process' cgroup was throttled in, and the seconds
+    throttled, so far ({} where no cpu.stat is readable)."""
+    for path, key, unit in CPU_STATS:
+        try:
+            stats = dict(line.split() for line in Path(path).read_text().splitlines())
+        except (OSError, ValueError):
+            continue
+        if key in stats and "nr_throttled" in stats:
+            return {"periods": float(stats["nr_throttled"]), "s": int(stats[key]) * unit}
+    return {}
 
 
 def _tcp_connections(port: int) -> int:
@@ -754,14 +782,20 @@ def _line(row: dict) -> str:
         + (_busiest(report.get("server_cpu", {}).get("busiest_process")))
         + (f"; GPU kernels running {gpu['sm']:.0f}% of the time" if "sm" in gpu else "")
         + (f", JPEG engines busy {gpu['jpg']:.0f}%" if "jpg" in gpu else "")
-        + _host(report.get("server_cpu", {}).get("host_cores"))
+        + _host(report.get("server_cpu", {}))
     )
 
 
-def _host(cores: dict | None) -> str:
+def _host(cpu: dict) -> str:
+    cores, throttled = cpu.get("host_cores"), cpu.get("cgroup_throttled")
     if not cores:
         return ""
-    return f"; the machine {cores['busy']:.1f} cores busy, {cores['steal']:.2f} stolen"
+    line = f"; the machine {cores['busy']:.1f} cores busy, {cores['steal']:.2f} stolen"
+    if throttled:
+        line += (
+            f", its cgroup throttled {throttled['s']:.2f} s in {throttled['periods']:.0f} periods"
+        )
+    return line
 
 
 def _busiest(process: dict | None) -> str:

@@ -98,3 +98,5 @@ def test_a_window_counts_the_machines_busy_cores_beside_the_servers() -> None:
     assert measured["cpu_s"] >= 1.4
     assert measured["host_cores"]["busy"] >= 0.7
     assert measured["host_cores"]["steal"] >= 0.0
+    if "cgroup_throttled" in measured:  # where the cgroup's cpu.stat is readable
+        assert set(measured["cgroup_throttled"]) == {"periods", "s"}
