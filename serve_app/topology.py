@@ -5,7 +5,7 @@ The three stages (preprocess, inference, postprocess) always run in that order; 
 groups them into Serve deployments, each group one deployment whose replicas run their stages
 one after the other in-process:
 
-    chained  [preprocess] [inference] [postprocess]   the design card: three deployments
+    chained  [preprocess] [inference] [postprocess]   three deployments, one per stage
     fused    [preprocess, inference, postprocess]     one deployment, one Ray call a batch
     direct   ()                                       no deployment: the ingress hosts all
 
