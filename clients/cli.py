@@ -240,10 +240,10 @@ async def _models(args: argparse.Namespace) -> int:
             elif args.action == "unload":
                 await client.unload_model(args.name, timeout=args.timeout)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and args.timeout is None:
-                gave_up = f"the server gave up on {args.action} {args.name}: {exc.details()}"
-                raise CliError(gave_up) from None
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                if args.timeout is None:  # no client deadline: the server's own gave out
+                    gave_up = f"the server gave up on {args.action} {args.name}: {exc.details()}"
+                    raise CliError(gave_up) from None
                 raise CliError(
                     f"no answer within --timeout {args.timeout:g} s; the server goes on "
                     f"with {args.action} {args.name}: `raystream models list` shows its state"
