@@ -353,10 +353,16 @@ def builtin_photos() -> Path:
 
 
 def run_grpc_load(
-    load_def: dict, target: str, tree: ServerProcesses, path: Path, profile: str | None = None
+    load_def: dict,
+    target: str,
+    tree: ServerProcesses,
+    path: Path,
+    profile: str | None = None,
+    host_probe: bool = False,
 ) -> dict:
     """bench/load.py against the server, as a child process; the server's CPU over the
-    window that it announces (and, with `profile`, py-spy profiles of its processes)."""
+    window that it announces (with `profile`, py-spy profiles of its processes; with
+    `host_probe`, bench/host_probe.py's account of how promptly the machine ran a thread)."""
     spec = _spec(load_def, target)
     port = int(spec.target.rsplit(":", 1)[1])
     command = [sys.executable, str(HERE / "load.py"), "--target", spec.target]
@@ -377,7 +383,7 @@ def run_grpc_load(
     child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     measured: dict = {}
     stop = threading.Event()
-    sampler = gpu_sampler = None
+    sampler = gpu_sampler = prober = None
     lines = []
     recording = None
 
@@ -406,6 +412,10 @@ def run_grpc_load(
             threading.Thread(target=sample, args=(start, end), daemon=True).start()
             gpu_sampler = threading.Thread(target=sample_gpu, args=(start, end), daemon=True)
             gpu_sampler.start()
+            if host_probe:
+                window = ["--start", str(start), "--end", str(end)]
+                probe = [sys.executable, str(HERE / "host_probe.py"), *window]
+                prober = subprocess.Popen(probe, stdout=subprocess.PIPE, text=True)
         else:
             lines.append(line.rstrip())
     child.wait()
@@ -415,11 +425,14 @@ def run_grpc_load(
             thread.join(30)
     if recording is not None:
         recording.finish()
+    host_probe = _probe_result(prober)
     if not path.exists():
         return {"failed": f"load.py exited {child.returncode}: " + " | ".join(lines[-3:])}
     report = json.loads(path.read_text())
     report["summary"] = lines[0] if lines else ""
     report["server_cpu"] = measured
+    if host_probe:
+        report["host_probe"] = host_probe
     if gpu:
         report["gpu_busy_percent"] = gpu
     if measured and report["images_answered"]:
@@ -727,7 +740,9 @@ def run_server(scenario: str, server: dict, loads: list[dict], port: int, args) 
                         print(f"{scenario}/{name}: settled after {settled:.0f} s", flush=True)
                     for load_def in remote:
                         target, path = f"127.0.0.1:{port}", out / f"{load_def['name']}.json"
-                        report = run_grpc_load(load_def, target, tree, path, args.profile)
+                        report = run_grpc_load(
+                            load_def, target, tree, path, args.profile, args.host_probe
+                        )
                         report["ready_after_s"] = ready_after
                         report["replica_start_s"] = starts
                         rows.append(_row(scenario, name, load_def, report))
@@ -747,7 +762,8 @@ def run_server(scenario: str, server: dict, loads: list[dict], port: int, args) 
             size = int(load_def.get("decode_size", 0))
             with plain_server(plain_port, threads, size, log) as child:
                 tree = ServerProcesses(child.pid)
-                report = run_grpc_load(load_def, f"127.0.0.1:{plain_port}", tree, path)
+                target = f"127.0.0.1:{plain_port}"
+                report = run_grpc_load(load_def, target, tree, path, host_probe=args.host_probe)
         rows.append(_row(scenario, name, load_def, report))
     return rows
 
@@ -755,6 +771,18 @@ def run_server(scenario: str, server: dict, loads: list[dict], port: int, args) 
 def _spec(load_def: dict, target: str) -> load.LoadSpec:
     fields = {k: v for k, v in load_def.items() if k in LOAD_FIELDS}
     return load.LoadSpec(target=target, **fields)
+
+
+def _probe_result(prober: subprocess.Popen | None) -> dict:
+    """bench/host_probe.py's report over the load's window ({} where it did not run)."""
+    if prober is None:
+        return {}
+    try:
+        out, _ = prober.communicate(timeout=30)
+        return json.loads(out)
+    except (subprocess.TimeoutExpired, ValueError):
+        prober.kill()
+        return {}
 
 
 def _row(scenario: str, server: str, load_def: dict, report: dict) -> dict:
@@ -783,6 +811,7 @@ def _line(row: dict) -> str:
         + (f"; GPU kernels running {gpu['sm']:.0f}% of the time" if "sm" in gpu else "")
         + (f", JPEG engines busy {gpu['jpg']:.0f}%" if "jpg" in gpu else "")
         + _host(report.get("server_cpu", {}))
+        + _probe_line(report.get("host_probe", {}))
     )
 
 
@@ -795,6 +824,19 @@ def _host(cpu: dict) -> str:
         line += (
             f", its cgroup throttled {throttled['s']:.2f} s in {throttled['periods']:.0f} periods"
         )
+    return line
+
+
+def _probe_line(probe: dict) -> str:
+    if not probe:
+        return ""
+    late, slow = probe["wake_late_ms"], probe["work_slowdown"]
+    line = (
+        f"; a 1 ms sleep woke late p99 {late['p99']:.2f} ms (max {late['max']:.1f}),"
+        f" fixed work slowed p99 {slow['p99']:.1f}x"
+    )
+    if "cpu_pressure_share" in probe:
+        line += f", a task waiting for a core {probe['cpu_pressure_share']:.0%} of the time"
     return line
 
 
@@ -938,6 +980,12 @@ def main() -> None:
         choices=profiles.MODES,
         help="py-spy one replica per deployment (native: C frames too; gil: only the "
         "thread holding the GIL, what the process' Python waits for; threads: CPU by thread)",
+    )
+    parser.add_argument(
+        "--host-probe",
+        action="store_true",
+        help="during each load, how late a thread's 1 ms sleeps wake and how much slower a "
+        "fixed piece of work runs (bench/host_probe.py; a few %% of one core)",
     )
     parser.add_argument("--baseline-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -1,5 +1,5 @@
 """The benchmark runner's reading of the Serve controller's log and of `nvidia-smi dmon`
-(bench/run.py), and its wait for a quiet server."""
+(bench/run.py), its wait for a quiet server, and its account of the machine's cores."""
 
 from __future__ import annotations
 
@@ -100,3 +100,27 @@ def test_a_window_counts_the_machines_busy_cores_beside_the_servers() -> None:
     assert measured["host_cores"]["steal"] >= 0.0
     if "cgroup_throttled" in measured:  # where the cgroup's cpu.stat is readable
         assert set(measured["cgroup_throttled"]) == {"periods", "s"}
+
+
+def test_the_host_probe_sees_a_stall_of_the_machine_as_a_late_wake_up() -> None:
+    """A process stopped for 0.2 s (as a hypervisor holding the vCPUs would stop it) reads
+    as one wake-up that much late; the rest of its 1 ms sleeps wake on time."""
+    import json
+    import signal
+    import subprocess
+
+    probe = run.HERE / "host_probe.py"
+    start = time.time() + 1.0  # after the probe's calibration
+    window = ["--start", str(start), "--end", str(start + 1.0)]
+    child = subprocess.Popen([sys.executable, str(probe), *window], stdout=subprocess.PIPE)
+    time.sleep(max(start + 0.3 - time.time(), 0))
+    child.send_signal(signal.SIGSTOP)
+    time.sleep(0.2)
+    child.send_signal(signal.SIGCONT)
+    report = json.loads(child.communicate(timeout=30)[0])
+    assert report["wake_late_ms"]["max"] >= 150
+    assert report["wake_late_over_5ms"] >= 1
+    assert report["wakes"] >= 100
+    assert report["wake_late_ms"]["p50"] < 5
+    assert report["work_slowdown"]["p50"] >= 1.0
+    assert "p99" in run._probe_line(report)
