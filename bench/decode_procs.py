@@ -20,7 +20,11 @@ the GPU configs run:
     bash bench/gpu_mps.sh python3 bench/decode_procs.py --processes 12 --profile
 
 `--chunk N`: the decoder hands nvJPEG N JPEGs a call; without it, the whole call at once,
-as an Inference replica does.
+as an Inference replica does. `--at-once K`: at most K of the processes in a call at a time
+(a semaphore they share; the others wait asleep), so fewer threads poll the JPEG engines
+while as many processes keep calls ready:
+
+    bash bench/gpu_mps.sh python3 bench/decode_procs.py --processes 12 --spin --at-once 3
 
 Latency at low load: `--gap-ms G` makes each process wait G ms after each call (12 processes
 of calls of 8 with 190 ms gaps offer about 500 img/s), and the line adds each call's p50 and
@@ -77,7 +81,7 @@ def nvimgcodec_decode(device: int):
     return decode_batch
 
 
-def worker(args, start_at, queue):
+def worker(args, start_at, queue, at_once):
     import load
     import torch
 
@@ -102,8 +106,15 @@ def worker(args, start_at, queue):
         decoder.decode_in_chunks(jpegs)
         wait_asleep(torch.cuda.current_stream())
 
-    work = decode_alone if args.decode_only else lambda: decoder.crops_many([jpegs])
-    work()
+    decode = decode_alone if args.decode_only else lambda: decoder.crops_many([jpegs])
+    decode()
+
+    def work():
+        if at_once is None:
+            return decode()
+        with at_once:  # at most --at-once processes in a call
+            return decode()
+
     time.sleep(max(start_at - time.time(), 0))
     before, walls, end = resource.getrusage(resource.RUSAGE_SELF), [], time.time() + SECONDS
     while time.time() < end:
@@ -159,13 +170,19 @@ def main():
     parser.add_argument("--spin", action="store_true", help="CUDA's waits as they are")
     parser.add_argument("--gap-ms", type=float, default=0.0, help="each process' pause a call")
     parser.add_argument("--queued", action="store_true", help="through the replica's queue")
+    parser.add_argument(
+        "--at-once", type=int, default=0, help="at most this many processes in a call (0: all)"
+    )
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "/tmp")) / "procs.txt"
     ctx = mp.get_context("spawn")
     for n in map(int, args.processes.split(",")):
         queue = ctx.Queue()
         start_at = time.time() + 25
-        procs = [ctx.Process(target=worker, args=(args, start_at, queue)) for _ in range(n)]
+        at_once = ctx.BoundedSemaphore(args.at_once) if args.at_once else None
+        procs = [
+            ctx.Process(target=worker, args=(args, start_at, queue, at_once)) for _ in range(n)
+        ]
         for p in procs:
             p.start()
         if args.profile:
@@ -186,6 +203,7 @@ def main():
             f"{n:2} processes, {args.decoder}{', spinning' * args.spin}, calls of {args.batch}"
             f"{f' in chunks of {args.chunk}' * bool(args.chunk)}"
             f"{', decode alone' * args.decode_only}{', queued' * args.queued}"
+            f"{f', at most {args.at_once} at once' * bool(args.at_once)}"
             f"{f', {args.gap_ms:g} ms gaps' * bool(args.gap_ms)}: {images / SECONDS:8.0f} img/s  "
             f"{(user + system) * 1000 / images:.3f} CPU ms/img (user {user * 1000 / images:.3f}, "
             f"kernel {system * 1000 / images:.3f}), a call's mean {mean_ms:.1f} ms, "
