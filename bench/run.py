@@ -425,14 +425,14 @@ def run_grpc_load(
             thread.join(30)
     if recording is not None:
         recording.finish()
-    host_probe = _probe_result(prober)
+    probed = _probe_result(prober)
     if not path.exists():
         return {"failed": f"load.py exited {child.returncode}: " + " | ".join(lines[-3:])}
     report = json.loads(path.read_text())
     report["summary"] = lines[0] if lines else ""
     report["server_cpu"] = measured
-    if host_probe:
-        report["host_probe"] = host_probe
+    if probed:
+        report["host_probe"] = probed
     if gpu:
         report["gpu_busy_percent"] = gpu
     if measured and report["images_answered"]:
@@ -831,10 +831,9 @@ def _probe_line(probe: dict) -> str:
     if not probe:
         return ""
     late, slow = probe["wake_late_ms"], probe["work_slowdown"]
-    line = (
-        f"; a 1 ms sleep woke late p99 {late['p99']:.2f} ms (max {late['max']:.1f}),"
-        f" fixed work slowed p99 {slow['p99']:.1f}x"
-    )
+    line = f"; a 1 ms sleep woke late p99 {late['p99']:.2f} ms (max {late['max']:.1f})"
+    if slow:
+        line += f", fixed work slowed p99 {slow['p99']:.1f}x"
     if "cpu_pressure_share" in probe:
         line += f", a task waiting for a core {probe['cpu_pressure_share']:.0%} of the time"
     return line
