@@ -39,6 +39,7 @@ difference is the server around it:
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import resource
@@ -108,12 +109,11 @@ def worker(args, start_at, queue, at_once):
 
     decode = decode_alone if args.decode_only else lambda: decoder.crops_many([jpegs])
     decode()
+    gate = at_once or contextlib.nullcontext()  # at most --at-once processes in a call
 
     def work():
-        if at_once is None:
-            return decode()
-        with at_once:  # at most --at-once processes in a call
-            return decode()
+        with gate:
+            decode()
 
     time.sleep(max(start_at - time.time(), 0))
     before, walls, end = resource.getrusage(resource.RUSAGE_SELF), [], time.time() + SECONDS
