@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
-
-import numpy as np
 
 SLEEP_S = 0.001
 WORK_EVERY = 10
@@ -56,10 +55,10 @@ def stalled_us() -> int | None:
 
 
 def quantiles(values: list[float]) -> dict[str, float]:
-    if not values:
+    if len(values) < 2:
         return {}
-    p50, p99, p999 = np.percentile(values, (50, 99, 99.9))
-    return {"p50": p50, "p99": p99, "p999": p999, "max": max(values)}
+    cuts = statistics.quantiles(values, n=1000, method="inclusive")
+    return {"p50": cuts[499], "p99": cuts[989], "p999": cuts[998], "max": max(values)}
 
 
 def probe(start: float, end: float) -> dict:
