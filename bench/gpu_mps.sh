@@ -2,7 +2,7 @@
 # Kept: MPS by hand for README.md, deploy/, docs/operations.md (run.py has `mps: true`).
 # Run a command with CUDA MPS, so kernels from several processes share the GPU instead of
 # being time-sliced one process at a time:
-#   bash bench/gpu_mps.sh raystream serve --config deploy/serve_config.gpu-direct.yaml
+#   bash bench/gpu_mps.sh raystream serve --config bench/configs/serve_config.gpu-direct.yaml
 # The daemon is this command's own (its pipe and log folders under /tmp), started as the
 # current user; it changes no GPU setting (compute mode stays as found) and is stopped on exit.
 set -u

@@ -17,6 +17,8 @@ from conftest import ROOT
 SERVE_CONFIGS = sorted((ROOT / "deploy").glob("serve_config*.yaml"))
 CLUSTER_CONFIG = ROOT / "deploy" / "serve_config.cluster.yaml"  # for a cluster, not one host
 HOST_CONFIGS = [path for path in SERVE_CONFIGS if path != CLUSTER_CONFIG]
+# Layouts kept for comparison in the benchmarks, not shipped
+BENCH_CONFIGS = sorted((ROOT / "bench" / "configs").glob("serve_config*.yaml"))
 
 
 def _rayservice() -> tuple[dict, dict]:
@@ -41,7 +43,7 @@ def test_ray_cluster_yaml_passes_rays_validation() -> None:
     assert config["head_node_type"] in types and "gpu_inference" in types
 
 
-@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", SERVE_CONFIGS + BENCH_CONFIGS, ids=lambda p: p.name)
 def test_serve_configs_are_valid(path: Path) -> None:
     from ray.serve.schema import ServeDeploySchema
 
