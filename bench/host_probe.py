@@ -65,13 +65,12 @@ def probe(start: float, end: float) -> dict:
     rounds = calibrate()
     time.sleep(max(start - time.time(), 0))
     pressure_before, window_start = stalled_us(), time.monotonic()
-    late_ms, work_s, wake = [], [], 0
+    late_ms, work_s = [], []
     while time.time() < end:
         asked = time.perf_counter()
         time.sleep(SLEEP_S)
         late_ms.append((time.perf_counter() - asked - SLEEP_S) * 1000)
-        wake += 1
-        if wake % WORK_EVERY == 0:
+        if len(late_ms) % WORK_EVERY == 0:
             work_s.append(_timed(rounds))
     window = time.monotonic() - window_start
     pressure_after = stalled_us()
