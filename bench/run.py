@@ -851,6 +851,9 @@ def _busiest(process: dict | None) -> str:
 
 def load_scenario(path: Path, args) -> tuple[str, list[tuple[dict, list[dict]]]]:
     scenario = yaml.safe_load(path.read_text())
+    for entry in (scenario.get("loads") or []) + scenario["servers"]:
+        if not isinstance(entry.get("name"), str):  # YAML reads off, on, yes, no as booleans
+            raise SystemExit(f"{path}: name {entry.get('name')!r} must be a string: quote it")
     defaults = {"duration": 10.0, "warmup": 2.0, **(scenario.get("defaults") or {})}
     by_name = {}
     for entry in scenario.get("loads") or []:

@@ -1,11 +1,15 @@
 """The benchmark runner's reading of the Serve controller's log and of `nvidia-smi dmon`
-(bench/run.py), its wait for a quiet server, and its account of the machine's cores."""
+(bench/run.py), its wait for a quiet server, its account of the machine's cores, and its
+check of a scenario's names."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
@@ -124,3 +128,17 @@ def test_the_host_probe_sees_a_stall_of_the_machine_as_a_late_wake_up() -> None:
     assert report["wake_late_ms"]["p50"] < 5
     assert report["work_slowdown"]["p50"] >= 1.0
     assert "p99" in run._probe_line(report)
+
+
+def test_a_scenario_name_that_yaml_reads_as_a_boolean_is_refused_clearly(tmp_path: Path) -> None:
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(
+        "loads:\n  - {name: half, connections: 1, in_flight: 1, images: 1}\n"
+        "servers:\n  - {name: off, config: c.yaml}\n"
+    )
+    args = argparse.Namespace(duration=None, warmup=None, only=["off"], loads=None)
+    with pytest.raises(SystemExit, match="name False must be a string"):
+        run.load_scenario(scenario, args)
+    scenario.write_text(scenario.read_text().replace("name: off", "name: cache-off"))
+    _, servers = run.load_scenario(scenario, argparse.Namespace(**{**vars(args), "only": None}))
+    assert [server["name"] for server, _ in servers] == ["cache-off"]
