@@ -6,10 +6,11 @@ img/s and CPU per image against it.
 
     python bench/plain_server.py --port 9250 [--decode-threads 2]
 
-With --decode-threads N it also decodes and crops every image as raystream does
-(engines.images.decode, N threads; the default model's resize to 256 and crop to
-224, or with --decode-size S a resize to S and no crop): the same work without Ray or
-batching.
+With --hash-images it also hashes every image with BLAKE3, as raystream's result cache keys
+them: the work that a cache hit cannot skip. With --decode-threads N it also decodes and
+crops every image as raystream does (engines.images.decode, N threads; the default model's
+resize to 256 and crop to 224, or with --decode-size S a resize to S and no crop): the same
+work without Ray or batching.
 Prints `plain server ready on HOST:PORT` once it listens; SIGINT or SIGTERM stops it.
 """
 
@@ -22,6 +23,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import blake3
 import grpc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,8 +39,9 @@ LABELS = ("tench", "goldfish", "great white shark", "tiger shark", "hammerhead")
 
 
 class PlainClassifier(pb_grpc.ImageClassifierServicer):
-    def __init__(self, decode_threads: int, decode_size: int = 0) -> None:
+    def __init__(self, decode_threads: int, decode_size: int = 0, hash_images: bool = False):
         self._pool = None
+        self._hash = hash_images
         if decode_threads:
             sys.path.insert(0, str(ROOT))
             from engines.images import decode
@@ -49,6 +52,9 @@ class PlainClassifier(pb_grpc.ImageClassifierServicer):
             self._pool = ThreadPoolExecutor(decode_threads)
 
     async def _answer(self, request: pb.ClassifyRequest) -> pb.ClassifyResponse:
+        if self._hash:
+            for image in request.images:
+                blake3.blake3(image).digest(16)
         if self._pool is not None:
             loop = asyncio.get_running_loop()
             await asyncio.gather(
@@ -102,9 +108,9 @@ class PlainClassifier(pb_grpc.ImageClassifierServicer):
         return pb.ModelInfo(name="plain", version="1", engine="none")
 
 
-async def serve(host: str, port: int, decode_threads: int, decode_size: int) -> None:
+async def serve(host: str, port: int, decode_threads: int, decode_size: int, hash_images: bool):
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20)])
-    servicer = PlainClassifier(decode_threads, decode_size)
+    servicer = PlainClassifier(decode_threads, decode_size, hash_images)
     pb_grpc.add_ImageClassifierServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
@@ -123,8 +129,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--decode-threads", type=int, default=0)
     parser.add_argument("--decode-size", type=int, default=0)
+    parser.add_argument("--hash-images", action="store_true")
     args = parser.parse_args()
-    asyncio.run(serve(args.host, args.port, args.decode_threads, args.decode_size))
+    asyncio.run(
+        serve(args.host, args.port, args.decode_threads, args.decode_size, args.hash_images)
+    )
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ LOAD_FIELDS = {
     "pixels",
     "repeat_fraction",
 }
-EXTRA_FIELDS = {"name", "kind", "compare", "photos", "decode_threads", "decode_size"}
+EXTRA_FIELDS = {"name", "kind", "compare", "photos", "decode_threads", "decode_size", "hash_images"}
 KINDS = {"grpc", "baseline", "plain_server"}
 
 
@@ -529,9 +529,10 @@ def run_baseline(load_def: dict, app_args: dict, path: Path) -> dict:
 
 
 @contextlib.contextmanager
-def plain_server(port: int, decode_threads: int, decode_size: int, log: Path):
+def plain_server(port: int, decode_threads: int, decode_size: int, hash_images: bool, log: Path):
     command = [sys.executable, str(HERE / "plain_server.py"), "--port", str(port)]
     command += ["--decode-threads", str(decode_threads), "--decode-size", str(decode_size)]
+    command += ["--hash-images"] if hash_images else []
     with log.open("w") as out:
         child = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
@@ -760,7 +761,8 @@ def run_server(scenario: str, server: dict, loads: list[dict], port: int, args) 
             log = out / f"{load_def['name']}.server.log"
             threads = int(load_def.get("decode_threads", 0))
             size = int(load_def.get("decode_size", 0))
-            with plain_server(plain_port, threads, size, log) as child:
+            hash_images = bool(load_def.get("hash_images", False))
+            with plain_server(plain_port, threads, size, hash_images, log) as child:
                 tree = ServerProcesses(child.pid)
                 target = f"127.0.0.1:{plain_port}"
                 report = run_grpc_load(load_def, target, tree, path, host_probe=args.host_probe)

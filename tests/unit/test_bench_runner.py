@@ -142,3 +142,12 @@ def test_a_scenario_name_that_yaml_reads_as_a_boolean_is_refused_clearly(tmp_pat
     scenario.write_text(scenario.read_text().replace("name: off", "name: cache-off"))
     _, servers = run.load_scenario(scenario, argparse.Namespace(**{**vars(args), "only": None}))
     assert [server["name"] for server, _ in servers] == ["cache-off"]
+
+
+def test_every_shipped_scenario_loads() -> None:
+    args = argparse.Namespace(duration=None, warmup=None, only=None, loads=None)
+    scenarios = sorted((Path(run.__file__).parent / "scenarios").glob("*.yaml"))
+    assert scenarios
+    for path in scenarios:
+        _, servers = run.load_scenario(path, args)
+        assert servers, path
