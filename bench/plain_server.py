@@ -4,7 +4,7 @@ no model, no Ray). bench/run.py starts it for a `plain_server` load and measures
 same load generator and the same CPU accounting as raystream, so one run gives raystream's
 img/s and CPU per image against it.
 
-    python bench/plain_server.py --port 9250 [--decode-threads 2]
+    python bench/plain_server.py --port 9250 [--decode-threads 2] [--hash-images]
 
 With --hash-images it also hashes every image with BLAKE3, as raystream's result cache keys
 them: the work that a cache hit cannot skip. With --decode-threads N it also decodes and
