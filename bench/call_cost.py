@@ -2,7 +2,8 @@
 deployment calling another through a DeploymentHandle (by value over Serve's gRPC transport,
 and through Ray's object store, as `stage_calls: handle` goes), against a plain Ray actor
 calling another, and against the two Serve replicas calling over a port of the callee's own:
-raystream's framed link (serve_app/call_link.py, as `stage_calls: port` goes) and a grpc.aio
+raystream's framed link (serve_app/transport/call_link.py, as `stage_calls: port` goes) and a
+grpc.aio
 unary method (raw bytes). For each: calls/s with `--in-flight` calls outstanding, each call's
 latency, and the CPU of the calling and the called process per call (every thread, from
 /proc).
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import run  # bench/run.py (this script's folder): how it reads a process' CPU
 
 from clients.local_ray import loopback_env
-from serve_app.call_link import Link, LinkServer
+from serve_app.transport.call_link import Link, LinkServer
 
 MESSAGE_OPTIONS = [
     ("grpc.max_receive_message_length", 1 << 30),

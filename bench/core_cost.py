@@ -40,9 +40,9 @@ from run import _identity_repository  # noqa: E402
 from raystream.v1 import classifier_pb2 as pb  # noqa: E402
 from serve_app import v1  # noqa: E402
 from serve_app.config import STAGES, AppConfig  # noqa: E402
-from serve_app.core import ServingCore  # noqa: E402
-from serve_app.streams import StreamRunner  # noqa: E402
-from serve_app.topology import StageGroup  # noqa: E402
+from serve_app.core.serving import ServingCore  # noqa: E402
+from serve_app.pipeline.topology import StageGroup  # noqa: E402
+from serve_app.protocol.streams import StreamRunner  # noqa: E402
 
 # The Ingress user_config of deploy/serve_config.direct.yaml
 DIRECT_BATCHING = {"max_batch_size": 32, "batch_wait_timeout_s": 0.0}

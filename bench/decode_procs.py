@@ -29,7 +29,7 @@ while as many processes keep calls ready:
 Latency at low load: `--gap-ms G` makes each process wait G ms after each call (12 processes
 of calls of 8 with 190 ms gaps offer about 500 img/s), and the line adds each call's p50 and
 p99 wall time; `--queued` sends each call through an Inference replica's own path in the
-process (serve_app/nvjpeg_queue.py on an asyncio loop: its batcher, its decode thread and the
+process (serve_app/stages/nvjpeg_queue.py on an asyncio loop: its batcher, its decode thread and the
 hand-offs between them). Where a served request's decode takes longer than here, the
 difference is the server around it:
 
@@ -129,7 +129,7 @@ async def _queued_calls(args, jpegs, start_at):
     """The calls through an Inference replica's decode queue, on this process' event loop."""
     from engines.repository import PreprocessSpec
     from serve_app.config import AppConfig
-    from serve_app.nvjpeg_queue import NvjpegQueue
+    from serve_app.stages.nvjpeg_queue import NvjpegQueue
 
     decoder = NvjpegQueue(AppConfig(decode="gpu", nvjpeg_chunk=args.chunk), PreprocessSpec())
     await decoder.warm()

@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from load import builtin_photos, unique_variant  # noqa: E402  (bench/load.py)
 
 from serve_app.config import AppConfig  # noqa: E402
-from serve_app.messages import Batch, Job  # noqa: E402
-from serve_app.topology import StageGroup  # noqa: E402
+from serve_app.core.messages import Batch, Job  # noqa: E402
+from serve_app.pipeline.topology import StageGroup  # noqa: E402
 
 
 def cpu_s() -> float:

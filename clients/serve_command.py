@@ -37,8 +37,8 @@ class ConfigError(Exception):
 def _serve_config(path: Path, overrides: dict) -> tuple[dict, object]:
     import yaml
 
-    from serve_app.autoscaling import POLICY
     from serve_app.config import BY_VALUE_ENV, AppConfig
+    from serve_app.pipeline.autoscaling import POLICY
 
     if not path.is_file():
         raise ConfigError(f"Serve config {path} not found")

@@ -88,7 +88,7 @@ class Engine(abc.ABC):
 
     info: EngineInfo
     # Batches worth running at once: GPU engines overlap one batch's copies with another's
-    # compute; ONNX Runtime gives each its share of the cores (serve_app/inference.py).
+    # compute; ONNX Runtime gives each its share of the cores (serve_app/stages/inference.py).
     batches_at_once: int = 2
 
     def warmup(self) -> None:

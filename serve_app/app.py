@@ -1,7 +1,7 @@
 """The application builder: `serve run serve_app.app:build_app` or a Serve config file.
 
-The topology (serve_app/topology.py) says which deployments run the stages; each group is one
-`Stages` deployment named for its main stage, and the Ingress gets their handles in order.
+The topology (serve_app/pipeline/topology.py) says which deployments run the stages; each group is
+one `Stages` deployment named for its main stage, and the Ingress gets their handles in order.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.autoscaling import PORT_CALLS
 from serve_app.config import AppConfig, BatchingConfig, Group, deployment_name, groups
-from serve_app.ingress import Ingress
-from serve_app.logs import to_serve_log
-from serve_app.messages import Answer, Batch, Served
-from serve_app.registry import ModelRegistry, RayStore
-from serve_app.stage_port import PortCalls, StagePort
-from serve_app.topology import StageGroup, StageHandle, initial_versions
+from serve_app.core.messages import Answer, Batch, Served
+from serve_app.ingress.deployment import Ingress
+from serve_app.models.registry import ModelRegistry, RayStore
+from serve_app.observability.logs import to_serve_log
+from serve_app.pipeline.autoscaling import PORT_CALLS
+from serve_app.pipeline.topology import StageGroup, StageHandle, initial_versions
+from serve_app.transport.stage_port import PortCalls, StagePort
 
 # Topology direct: the replica runs raystream on Serve's own event loop, not on a second
 # loop in a second thread (Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED does the same): the
@@ -48,10 +48,10 @@ DEFAULTS = {
 @serve.deployment
 class Stages:
     """A group of stages as a Serve deployment: a thin shell over StageGroup. The ingress
-    chains the calls of the groups up to the one holding inference (serve_app/topology.py,
+    chains the calls of the groups up to the one holding inference (serve_app/pipeline/topology.py,
     StageChain); that group passes its result on to the group after it (`next`) itself.
     With `stage_calls: port` every group passes its result on to the next, over the next
-    group's ports, and serves its own port (serve_app/stage_port.py)."""
+    group's ports, and serves its own port (serve_app/transport/stage_port.py)."""
 
     async def __init__(self, config: dict, stages: Group, next: DeploymentHandle | None) -> None:
         to_serve_log()
@@ -92,7 +92,7 @@ class Stages:
 
     async def _run_port_call(self, batch: Batch) -> Batch:
         """This group's part of a call over the port, counted while its own stages hold it
-        (Serve's autoscaler, serve_app/autoscaling.py); the port then passes the result on
+        (Serve's autoscaler, serve_app/pipeline/autoscaling.py); the port then passes the result on
         (`_pass_on`), no longer counted."""
         self._port_calls_here += 1
         try:
@@ -129,7 +129,8 @@ class Stages:
             await self._next.close()
 
     def record_autoscaling_stats(self) -> dict[str, int]:
-        """Serve's autoscaler reads it (serve_app/autoscaling.py): the port's calls here."""
+        """Serve's autoscaler reads it (serve_app/pipeline/autoscaling.py): the port's calls
+        here."""
         return {PORT_CALLS: self._port_calls_here}
 
     def port_calls(self) -> int:
@@ -161,7 +162,7 @@ def build_app(args: dict[str, Any]) -> Application:
         return Ingress.options(ray_actor_options=options).bind(shared)
 
     # The ingress chains the groups up to the one holding inference; the groups after it
-    # are called by the group before them (serve_app/topology.py, StageChain).
+    # are called by the group before them (serve_app/pipeline/topology.py, StageChain).
     def bind(group: Group, calls: Application | None) -> Application:
         name = deployment_name(group)
         return Stages.options(name=name, **DEFAULTS[name]).bind(shared, group, calls)

@@ -15,7 +15,7 @@ from engines import EngineKind
 
 STAGES = ("preprocess", "inference", "postprocess")
 # Serve's limit on the messages of its gRPC transport between replicas, raised so that stage
-# calls can go by value (serve_app/topology.py, StageHandle): the shipped configs and
+# calls can go by value (serve_app/pipeline/topology.py, StageHandle): the shipped configs and
 # `raystream serve` set BY_VALUE_ENV in the application's runtime_env.
 MESSAGE_LIMIT_ENV = "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"
 BY_VALUE_ENV = {MESSAGE_LIMIT_ENV: str(1 << 30)}
@@ -93,7 +93,7 @@ class SecurityConfig(_Strict):
 
 
 class CacheConfig(_Strict):
-    """The ingress' result cache (serve_app/result_cache.py): answers of images already seen,
+    """The ingress' result cache (serve_app/core/result_cache.py): answers of images already seen,
     per ingress replica, and one engine pass for identical images in flight at once."""
 
     # Off by default: with few repeated images it costs a hash per image for nothing, and
@@ -135,14 +135,14 @@ class AppConfig(_Strict):
     # the replicas of one deployment keep about the models loaded at run time.
     instance: str = ""
     # Set by build_app too: the secret that stage calls over the replicas' ports carry
-    # (serve_app/stage_port.py).
+    # (serve_app/transport/stage_port.py).
     stage_token: str = ""
     engine: EngineConfig = EngineConfig()
     limits: LimitsConfig = LimitsConfig()
     security: SecurityConfig = SecurityConfig()
     cache: CacheConfig = CacheConfig()
     preprocess_threads: int = Field(2, ge=1, le=64)  # PIL releases the GIL while decoding
-    # Which deployments run the stages (serve_app/topology.py): chained (Preprocess,
+    # Which deployments run the stages (serve_app/pipeline/topology.py): chained (Preprocess,
     # Inference, Postprocess: three deployments), fused (one deployment runs all three),
     # direct (the ingress replica runs all three), or groups written out, such as
     # [[preprocess, inference], [postprocess]].
@@ -152,7 +152,7 @@ class AppConfig(_Strict):
     decode: Literal["cpu", "gpu"] = "cpu"
     # With decode: gpu and Preprocess a deployment of its own: nvJPEG runs in the Preprocess
     # replicas instead (give them num_gpus), whose crops reach Inference on the same GPU by
-    # CUDA IPC (serve_app/device_crops.py).
+    # CUDA IPC (serve_app/transport/device_crops.py).
     preprocess_decodes_on_gpu: bool = False
     # With decode: gpu, the most JPEGs in one nvJPEG call (0: a piece's all, up to 64).
     nvjpeg_chunk: int = Field(0, ge=0, le=64)
@@ -167,7 +167,7 @@ class AppConfig(_Strict):
     log_sample_rate: float = Field(0.01, ge=0.0, le=1.0)
     # Requests per call through the stage deployments, and calls in flight from each
     # ingress replica: requests that arrive while max_calls_in_flight calls run go together
-    # in the next call (micro-batching, serve_app/dispatch.py).
+    # in the next call (micro-batching, serve_app/core/dispatch.py).
     requests_per_call: int = Field(64, ge=1)
     max_calls_in_flight: int = Field(4, ge=1)
     # While other calls are in flight and at least one request arrives in this long (at
@@ -179,15 +179,15 @@ class AppConfig(_Strict):
     spread_min_images: int = Field(0, ge=0)
     # The images a call carries at most, past its first request (0: no bound): under a
     # backlog, calls that end sooner let another stream's request, taken in turn
-    # (serve_app/dispatch.py), be answered sooner.
+    # (serve_app/core/dispatch.py), be answered sooner.
     max_images_per_call: int = Field(0, ge=0)
     # How stage calls travel: `handle`, Serve's DeploymentHandle calls; `port`, a TCP port
-    # of each stage replica's own (serve_app/call_link.py), with the handle as fallback
-    # (serve_app/stage_port.py).
+    # of each stage replica's own (serve_app/transport/call_link.py), with the handle as fallback
+    # (serve_app/transport/stage_port.py).
     stage_calls: Literal["handle", "port"] = "handle"
     # With `stage_calls: port`: shared memory (/dev/shm) each ingress replica may use to hand
     # requests' images to stage replicas on its node instead of sending them in the call
-    # (serve_app/shared_images.py); 0: calls carry the images.
+    # (serve_app/transport/shared_images.py); 0: calls carry the images.
     shared_images_bytes: int = Field(0, ge=0)
 
     @model_validator(mode="after")
@@ -273,7 +273,7 @@ class BatchingConfig(_Strict):
     # 0: a batch starts as soon as the engine is free and takes everything queued meanwhile
     # (under load batches fill by themselves; at low load nothing waits).
     batch_wait_timeout_s: float = Field(0.0, ge=0.0, le=10.0)
-    # dynamic: serve_app/batching.py (batches form when the engine is free); serve: Ray
+    # dynamic: serve_app/stages/batching.py (batches form when the engine is free); serve: Ray
     # Serve's @serve.batch (forms batches eagerly; for comparison).
     batcher: Literal["dynamic", "serve"] = "dynamic"
     max_queued_images: int = Field(4096, ge=1)  # past this, requests get RESOURCE_EXHAUSTED
@@ -282,7 +282,7 @@ class BatchingConfig(_Strict):
     max_concurrent_batches: int | None = Field(None, ge=1, le=2)
 
 
-# -- the topology: which deployments run the stages (serve_app/topology.py runs them) -----
+# -- the topology: which deployments run the stages (serve_app/pipeline/topology.py runs them) -----
 
 NAMED = {
     "chained": (("preprocess",), ("inference",), ("postprocess",)),

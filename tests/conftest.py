@@ -207,7 +207,7 @@ def ray_cluster():
         num_cpus=4,  # logical: the plain and the secured test apps fit side by side
         include_dashboard=False,
         log_to_driver=False,
-        # as the shipped configs: stage calls by value (serve_app/topology.py StageHandle)
+        # as the shipped configs: stage calls by value (serve_app/pipeline/topology.py StageHandle)
         runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", **BY_VALUE_ENV}},
         _metrics_export_port=free_port(),
         _system_config={"metrics_report_interval_ms": 1000},  # metrics tests poll briefly
@@ -268,7 +268,8 @@ def start_app(name: str, model_repository: Path, **args: object):
 @pytest.fixture(scope="session", params=["chained", "fused", "direct", "chained-port"])
 def server(request, ray_cluster, two_versions: Path) -> str:
     """The whole application under real Ray Serve, gRPC on a free loopback port, in each
-    topology (serve_app/topology.py), serving the highest of two versions in its repository;
+    topology (serve_app/pipeline/topology.py), serving the highest of two versions in its
+    repository;
     `chained-port`: chained, the stage calls over the replicas' ports (stage_port.py), the
     images to Preprocess through shared memory (shared_images.py)."""
     from ray import serve

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from raystream.v1 import classifier_pb2 as pb
-from serve_app.messages import Batch, Job
+from serve_app.core.messages import Batch, Job
 
 
 def batch_of(*requests: list[bytes]) -> Batch:

@@ -14,8 +14,8 @@ from support import batch_of
 
 from raystream.v1 import classifier_pb2 as pb
 from serve_app.config import STAGES, AppConfig, BatchingConfig, EngineConfig
-from serve_app.messages import Batch, Job
-from serve_app.topology import StageGroup
+from serve_app.core.messages import Batch, Job
+from serve_app.pipeline.topology import StageGroup
 
 from conftest import cosines
 

@@ -13,7 +13,7 @@ from PIL import Image
 from support import batch_of, top_classes
 
 from serve_app.config import STAGES, AppConfig
-from serve_app.topology import StageGroup
+from serve_app.pipeline.topology import StageGroup
 
 from conftest import encode
 
@@ -160,8 +160,8 @@ def test_crops_reach_another_process_by_cuda_ipc() -> None:
     not their pixels) and read the same in another process on that GPU."""
     import multiprocessing
 
-    from serve_app import request_images
-    from serve_app.messages import Batch
+    from serve_app.core.messages import Batch
+    from serve_app.wire import request_images
 
     generator = torch.Generator(device="cuda").manual_seed(0)
     crops = torch.randint(

@@ -13,7 +13,7 @@ from clients.client import Client
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from raystream.v1 import classifier_pb2 as pb
-from serve_app import v1
+from serve_app.protocol import v1
 
 from conftest import start_app
 
@@ -69,7 +69,7 @@ async def test_repeated_images_are_answered_from_the_cache(
     async with Client(cached_server) as client:
         first = await client.classify_once(pb.ClassifyRequest(images=images, **asked))
         inferred = await _images_inferred()
-        # Streamed: the images stay spans of the message (serve_app/request_images.py), and
+        # Streamed: the images stay spans of the message (serve_app/wire/request_images.py), and
         # the junk image, never cached, goes to the stages again picked out of them
         requests = [pb.ClassifyRequest(request_id=str(i), images=images, **asked) for i in range(3)]
         assert requests[0].ByteSize() >= v1.SPLIT_MIN_BYTES

@@ -20,7 +20,7 @@ CATS = range(281, 286)
 
 
 # (topology, stage calls, the deployment whose replica is killed); over ports the call to
-# the dead replica fails and goes again by handle (serve_app/stage_port.py)
+# the dead replica fails and goes again by handle (serve_app/transport/stage_port.py)
 CASES = [
     ("fused", "handle", "Inference"),
     ("chained", "handle", "Preprocess"),

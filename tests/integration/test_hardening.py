@@ -229,7 +229,7 @@ def test_an_oip_shape_with_a_negative_size_is_refused() -> None:
     """[-1, -1] once counted as one element (its product), so it passed for one image."""
     from raystream.oip import grpc_predict_v2_pb2 as oip
     from serve_app.errors import InvalidArgument
-    from serve_app.oip import _images
+    from serve_app.protocol.oip import _images
 
     tensor = oip.ModelInferRequest.InferInputTensor(name="images", datatype="BYTES", shape=[-1, -1])
     tensor.contents.bytes_contents.append(b"x")
@@ -251,7 +251,7 @@ def test_an_oip_images_input_of_another_layout_is_refused(shape, raw, typed, ref
     """OIP's `images` is [N] or [N, 1] BYTES, in raw or typed contents, not both."""
     from raystream.oip import grpc_predict_v2_pb2 as oip
     from serve_app.errors import InvalidArgument
-    from serve_app.oip import _images
+    from serve_app.protocol.oip import _images
 
     tensor = oip.ModelInferRequest.InferInputTensor(name="images", datatype="BYTES", shape=shape)
     tensor.contents.bytes_contents.extend([b"x"] * typed)

@@ -135,7 +135,7 @@ async def test_requests_held_by_serve_batch_when_their_version_unloads_get_unava
     from ray import serve
 
     from serve_app.config import AppConfig
-    from serve_app.ingress import Ingress
+    from serve_app.ingress.deployment import Ingress
 
     new = model.spec.version
     old = str(int(new) - 1)

@@ -1,5 +1,5 @@
-"""Serve's autoscaler sees the calls over the stage ports (serve_app/autoscaling.py): a load
-that reaches Inference over its replicas' ports alone, which Serve's own count of requests
+"""Serve's autoscaler sees the calls over the stage ports (serve_app/pipeline/autoscaling.py): a
+load that reaches Inference over its replicas' ports alone, which Serve's own count of requests
 never sees, scales the autoscaled deployment up. The engine is the echo engine with a delay
 (the test is about the calls between stages): each call holds an Inference replica 50 ms."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from clients.client import Client
 from raystream.v1 import classifier_pb2 as pb
-from serve_app.autoscaling import POLICY
+from serve_app.pipeline.autoscaling import POLICY
 
 from conftest import deploy_app, free_port
 

@@ -23,7 +23,7 @@ from engines.base import normalize
 from engines.images import decode
 from engines.scores import softmax
 from raystream.v1 import classifier_pb2 as pb
-from serve_app import shared_images
+from serve_app.transport import shared_images
 
 from conftest import ROOT
 
@@ -486,7 +486,7 @@ async def test_failed_requests_are_logged_as_json_with_request_and_stream_ids(se
 
 async def test_raystreams_own_log_lines_reach_the_replicas_serve_logs(server) -> None:
     """The replica holding inference says which model versions it loaded, in its Serve log
-    file (serve_app/logs.py), in every topology."""
+    file (serve_app/observability/logs.py), in every topology."""
     import glob
 
     import ray
@@ -513,7 +513,7 @@ async def test_direct_topology_takes_the_batching_user_config(
     from ray import serve
 
     from serve_app.config import AppConfig
-    from serve_app.ingress import Ingress
+    from serve_app.ingress.deployment import Ingress
 
     config = AppConfig(
         model_repository=model_repository, port=0, topology="direct", engine={"kind": "onnxruntime"}
@@ -542,7 +542,7 @@ async def test_either_batcher_fills_its_batches(ray_cluster, model_repository, p
     from ray import serve
 
     from serve_app.config import AppConfig
-    from serve_app.ingress import Ingress
+    from serve_app.ingress.deployment import Ingress
 
     config = AppConfig(
         model_repository=model_repository, port=0, topology="direct", engine={"kind": "echo"}

@@ -1,4 +1,4 @@
-"""serve_app/answers.py: a v1 answer's bytes are exactly what protobuf writes for the same
+"""serve_app/wire/answers.py: a v1 answer's bytes are exactly what protobuf writes for the same
 results (the stage writes the wire format itself, from bytes made once per model)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from raystream.v1 import classifier_pb2 as pb
-from serve_app.answers import answer_all, oip_answer, v1_answer
-from serve_app.messages import Batch, Failure, Job, StageTiming, copied
+from serve_app.core.messages import Batch, Failure, Job, StageTiming, copied
+from serve_app.wire.answers import answer_all, oip_answer, v1_answer
 
 
 def test_v1_answers_are_the_bytes_protobuf_writes(model) -> None:

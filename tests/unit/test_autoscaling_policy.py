@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from serve_app.autoscaling import POLICY, PORT_CALLS
+from serve_app.pipeline.autoscaling import POLICY, PORT_CALLS
 
 
 def _context(config, replicas: int, requests: float, port_calls: list[float] | None):

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from serve_app.batching import DynamicBatcher
 from serve_app.errors import DeadlineExceeded, Overloaded, Unavailable
+from serve_app.stages.batching import DynamicBatcher
 
 
 class GatedEngine:

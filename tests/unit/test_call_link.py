@@ -1,4 +1,4 @@
-"""The framed link under the stage ports (serve_app/call_link.py): a real server and real
+"""The framed link under the stage ports (serve_app/transport/call_link.py): a real server and real
 connections on loopback."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from serve_app.call_link import Link, LinkDown, LinkServer
+from serve_app.transport.call_link import Link, LinkDown, LinkServer
 
 TOKEN = b"app secret"
 
@@ -163,7 +163,7 @@ async def test_a_connection_reset_under_load_answers_every_call_or_fails_it_as_l
 async def test_a_port_that_never_answers_the_token_fails_the_call_in_time(monkeypatch) -> None:
     """A port that takes the connection and says nothing (a wedged or foreign process): the
     call fails as LinkDown after HELLO_TIMEOUT_S, not never."""
-    import serve_app.call_link as call_link
+    import serve_app.transport.call_link as call_link
 
     monkeypatch.setattr(call_link, "HELLO_TIMEOUT_S", 0.2)
     held = []
@@ -188,7 +188,7 @@ async def test_a_peer_that_stops_reading_fails_the_call_after_the_user_timeout(
     with the data unacknowledged): once a call's bytes have waited USER_TIMEOUT_S in the
     kernel, the connection drops and the call fails as LinkDown, instead of waiting for the
     registry to drop the address."""
-    import serve_app.call_link as call_link
+    import serve_app.transport.call_link as call_link
 
     monkeypatch.setattr(call_link, "USER_TIMEOUT_S", 1)
     held = []

@@ -1,5 +1,5 @@
-"""The serving core and its micro-batched calls (serve_app/core.py, dispatch.py), without Ray
-or gRPC: the three stages' real code, each in a StageGroup of its own as topology chained
+"""The serving core and its micro-batched calls (serve_app/core/serving.py, dispatch.py), without
+Ray or gRPC: the three stages' real code, each in a StageGroup of its own as topology chained
 runs them, chained in-process; the echo engine (these tests are about batching calls and
 answering each request once, not labels)."""
 
@@ -13,9 +13,9 @@ from ray.serve.exceptions import RayServeException
 
 from raystream.v1 import classifier_pb2 as pb
 from serve_app.config import STAGES, AppConfig, EngineConfig
-from serve_app.core import ServingCore
-from serve_app.messages import Answer, Batch, Job
-from serve_app.topology import StageGroup
+from serve_app.core.messages import Answer, Batch, Job
+from serve_app.core.serving import ServingCore
+from serve_app.pipeline.topology import StageGroup
 
 DEADLINE_EXCEEDED, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE = 4, 3, 8, 14
 

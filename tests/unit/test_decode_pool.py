@@ -1,4 +1,4 @@
-"""The fair decode pool (serve_app/decode_pool.py) with stand-in decode functions: the order
+"""The fair decode pool (serve_app/stages/decode_pool.py) with stand-in decode functions: the order
 in which images from different streams get the threads, the heavy-image lane, the per-request
 pixel budget. Gates (threading.Event) instead of sleeps decide when a decode finishes."""
 
@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from engines.images import InvalidImage
-from serve_app.decode_pool import HEAVY_PIXELS, DecodePool
+from serve_app.stages.decode_pool import HEAVY_PIXELS, DecodePool
 
 HEAVY = HEAVY_PIXELS + 1
 

@@ -66,7 +66,7 @@ def _redeploy_need(deployments: list[dict]) -> dict[str, float]:
     (autoscaled ones at their minimum) plus the surge of new ones started before the old
     stop (`max_surge_percent`)."""
     from serve_app.app import DEFAULTS
-    from serve_app.ingress import Ingress
+    from serve_app.ingress.deployment import Ingress
 
     defaults = {"Ingress": Ingress.ray_actor_options} | {
         name: options["ray_actor_options"] for name, options in DEFAULTS.items()
@@ -282,7 +282,7 @@ def test_autoscaled_stage_deployments_count_their_port_calls(tmp_path: Path) -> 
     from ray.serve.schema import ServeDeploySchema
 
     from clients.serve_command import _serve_config
-    from serve_app.autoscaling import POLICY
+    from serve_app.pipeline.autoscaling import POLICY
 
     apps = [yaml.safe_load(path.read_text())["applications"][0] for path in SERVE_CONFIGS]
     apps.append(yaml.safe_load(_rayservice()[0]["spec"]["serveConfigV2"])["applications"][0])

@@ -1,4 +1,4 @@
-"""The ingress' micro-batching (serve_app/dispatch.py) with a stand-in call: gates decide
+"""The ingress' micro-batching (serve_app/core/dispatch.py) with a stand-in call: gates decide
 when calls finish."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ async def _until(condition) -> None:
 
 
 async def test_a_call_takes_what_queued_while_the_calls_were_busy() -> None:
-    from serve_app.dispatch import Dispatcher
+    from serve_app.core.dispatch import Dispatcher
 
     calls = Calls()
     dispatcher = Dispatcher(calls, max_per_call=2, max_calls=1, spill_after_s=60)
@@ -64,7 +64,7 @@ async def test_a_call_takes_what_queued_while_the_calls_were_busy() -> None:
 async def test_a_request_behind_stuck_calls_spills_into_a_call_of_its_own() -> None:
     """A call stuck on slow work (a client's expensive images) must not hold the next
     request: after spill_after_s it goes in an extra call."""
-    from serve_app.dispatch import Dispatcher
+    from serve_app.core.dispatch import Dispatcher
 
     calls = Calls()
     dispatcher = Dispatcher(calls, max_per_call=8, max_calls=1, spill_after_s=0.01)
@@ -80,7 +80,7 @@ async def test_a_request_behind_stuck_calls_spills_into_a_call_of_its_own() -> N
 async def test_a_backlog_s_calls_take_the_streams_in_turn() -> None:
     """One client queued many requests on two streams; another stream's one request goes in
     the next call, not after the backlog, and each call keeps the order requests came in."""
-    from serve_app.dispatch import Dispatcher
+    from serve_app.core.dispatch import Dispatcher
 
     calls = Calls()
     dispatcher = Dispatcher(
@@ -110,7 +110,7 @@ async def test_a_backlog_s_calls_take_the_streams_in_turn() -> None:
 async def test_more_streams_than_a_call_takes_each_get_their_turn() -> None:
     """Calls smaller than the number of streams: the stream that came last still gets into
     the next calls, not after every older stream's backlog."""
-    from serve_app.dispatch import Dispatcher
+    from serve_app.core.dispatch import Dispatcher
 
     calls = Calls()
     dispatcher = Dispatcher(
@@ -130,7 +130,7 @@ async def test_more_streams_than_a_call_takes_each_get_their_turn() -> None:
 
 
 async def test_a_call_carries_at_most_max_images_past_its_first_item() -> None:
-    from serve_app.dispatch import Dispatcher
+    from serve_app.core.dispatch import Dispatcher
 
     calls = Calls()
     dispatcher = Dispatcher(
@@ -149,7 +149,7 @@ async def test_a_call_carries_at_most_max_images_past_its_first_item() -> None:
 
 
 async def test_answered_items_are_not_sent() -> None:
-    from serve_app.dispatch import Dispatcher
+    from serve_app.core.dispatch import Dispatcher
 
     calls = Calls()
     dispatcher = Dispatcher(calls, max_per_call=8, max_calls=1, spill_after_s=60)
@@ -168,15 +168,15 @@ async def test_answered_items_are_not_sent() -> None:
 async def _burst_after_a_call(dispatcher, monkeypatch) -> None:
     """One call in flight, then a window long enough to measure the arrivals' rate (one
     arrival in 60 ms: about 17 a second)."""
-    import serve_app.dispatch
+    import serve_app.core.dispatch
 
-    monkeypatch.setattr(serve_app.dispatch, "RATE_WINDOW_S", 0.05)
+    monkeypatch.setattr(serve_app.core.dispatch, "RATE_WINDOW_S", 0.05)
     dispatcher.submit(Item("a"))
     await asyncio.sleep(0.06)
 
 
 async def test_a_free_slot_gathers_while_calls_run_and_requests_come_fast(monkeypatch) -> None:
-    from serve_app.dispatch import Dispatcher
+    from serve_app.core.dispatch import Dispatcher
 
     calls = Calls()
     dispatcher = Dispatcher(calls, max_per_call=8, max_calls=2, gather_s=0.2, spill_after_s=60)
@@ -192,7 +192,7 @@ async def test_a_free_slot_gathers_while_calls_run_and_requests_come_fast(monkey
 
 
 async def test_a_lone_request_goes_at_once_when_requests_come_slowly(monkeypatch) -> None:
-    from serve_app.dispatch import Dispatcher
+    from serve_app.core.dispatch import Dispatcher
 
     calls = Calls()
     dispatcher = Dispatcher(calls, max_per_call=8, max_calls=2, gather_s=0.01, spill_after_s=60)
@@ -205,7 +205,7 @@ async def test_a_lone_request_goes_at_once_when_requests_come_slowly(monkeypatch
 
 
 async def test_a_full_call_goes_at_once_while_gathering(monkeypatch) -> None:
-    from serve_app.dispatch import Dispatcher
+    from serve_app.core.dispatch import Dispatcher
 
     calls = Calls()
     dispatcher = Dispatcher(calls, max_per_call=2, max_calls=2, gather_s=10, spill_after_s=60)
@@ -219,7 +219,7 @@ async def test_a_full_call_goes_at_once_while_gathering(monkeypatch) -> None:
 
 
 def _spreading(calls: Calls, spread_images: int, max_calls: int = 4, max_images: int = 0):
-    from serve_app.dispatch import Dispatcher
+    from serve_app.core.dispatch import Dispatcher
 
     return Dispatcher(
         calls,

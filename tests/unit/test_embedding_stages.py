@@ -15,15 +15,15 @@ from engines.export import is_current
 from engines.repository import EXPORT_FORMAT, ModelSpec, resolve
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.v1 import classifier_pb2 as pb
-from serve_app import v1
-from serve_app.answers import embedding_bytes
 from serve_app.config import STAGES, AppConfig, EngineConfig
-from serve_app.core import ServingCore
+from serve_app.core.messages import Batch, Job, OipOutput
+from serve_app.core.serving import ServingCore
 from serve_app.errors import InvalidArgument
-from serve_app.messages import Batch, Job, OipOutput
-from serve_app.oip import OpenInferenceService
-from serve_app.streams import StreamRunner
-from serve_app.topology import StageGroup
+from serve_app.pipeline.topology import StageGroup
+from serve_app.protocol import v1
+from serve_app.protocol.oip import OpenInferenceService
+from serve_app.protocol.streams import StreamRunner
+from serve_app.wire.answers import embedding_bytes
 
 from conftest import cosines
 
@@ -163,7 +163,7 @@ def test_v1_outputs_default_to_labels_and_refuse_unknown_values() -> None:
 def test_oip_ranks_classes_only_for_outputs_that_have_them() -> None:
     """Triton's `classification` parameter on any output name returns labels; the embedding
     has no classes to rank, so it is refused, not answered with labels under its name."""
-    from serve_app.oip import _outputs
+    from serve_app.protocol.oip import _outputs
 
     request = oip.ModelInferRequest()
     for name in ("probabilities", "top"):

@@ -16,8 +16,8 @@ from PIL import Image
 from support import batch_of, top_classes
 
 from serve_app.config import STAGES, AppConfig
-from serve_app.preprocess import PreprocessStage
-from serve_app.topology import StageGroup
+from serve_app.pipeline.topology import StageGroup
+from serve_app.stages.preprocess import PreprocessStage
 
 from conftest import encode
 
@@ -218,7 +218,7 @@ async def test_a_gpu_decode_replica_decodes_the_jpegs_of_waiting_calls_together(
     thread; calls that arrive while it decodes are decoded together in its next nvJPEG call,
     in pieces of at most DECODE_BATCH, each scored once decoded; each request keeps its own
     answers in its own order, the junk bytes failing alone."""
-    from serve_app.nvjpeg_queue import DECODE_BATCH
+    from serve_app.stages.nvjpeg_queue import DECODE_BATCH
 
     decoder = stand_in_nvjpeg
     config = AppConfig(model_repository=model_repository, decode="gpu")
@@ -280,7 +280,7 @@ async def test_a_preprocess_deployment_of_its_own_decodes_and_hands_the_crops_on
     DECODE_BATCH, and passes one tensor of crops on (GPU-decoded and host-decoded rows
     together); the Inference replica decodes nothing. Each request is answered in its own
     order, the junk failing alone; nvJPEG itself failing fails only its piece's jobs."""
-    from serve_app.nvjpeg_queue import DECODE_BATCH
+    from serve_app.stages.nvjpeg_queue import DECODE_BATCH
 
     decoder = stand_in_nvjpeg
     config = AppConfig(

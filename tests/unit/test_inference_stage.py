@@ -14,9 +14,9 @@ import pytest
 from clients.loadgen import model_input
 from raystream.v1 import classifier_pb2 as pb
 from serve_app.config import STAGES, AppConfig
-from serve_app.messages import Batch, Job
-from serve_app.registry import MemoryStore, ModelRegistry
-from serve_app.topology import StageGroup
+from serve_app.core.messages import Batch, Job
+from serve_app.models.registry import MemoryStore, ModelRegistry
+from serve_app.pipeline.topology import StageGroup
 
 MODEL = "efficientnet-lite0"
 OK, INVALID_ARGUMENT, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE = 0, 3, 4, 8, 14

@@ -1,4 +1,4 @@
-"""Stage replicas' loads in shared memory (serve_app/load_board.py): what a stage port
+"""Stage replicas' loads in shared memory (serve_app/transport/load_board.py): what a stage port
 publishes, a caller on the node reads; a slot goes when its port closes or its process dies."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from serve_app import load_board
-from serve_app.load_board import LoadBoard, LoadSlot, remove_orphans, slot_name
+from serve_app.transport import load_board
+from serve_app.transport.load_board import LoadBoard, LoadSlot, remove_orphans, slot_name
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from serve_app.metrics import IngressMetrics
+from serve_app.observability.metrics import IngressMetrics
 
 
 def test_flush_hands_ray_only_positive_increments(monkeypatch) -> None:

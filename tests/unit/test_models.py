@@ -14,14 +14,14 @@ import pytest
 from engines.repository import ModelNotFoundError, resolve, select_versions
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from serve_app.config import STAGES, AppConfig, BatchingConfig
-from serve_app.core import ServingCore
+from serve_app.core.messages import Answer, Batch, Job
+from serve_app.core.serving import ServingCore
 from serve_app.errors import Code, InvalidArgument, ModelNotFound
-from serve_app.lifecycle import ModelLifecycle
-from serve_app.messages import Answer, Batch, Job
-from serve_app.oip import OpenInferenceService
-from serve_app.registry import MemoryStore, ModelRegistry
-from serve_app.streams import StreamRunner
-from serve_app.topology import StageGroup
+from serve_app.models.lifecycle import ModelLifecycle
+from serve_app.models.registry import MemoryStore, ModelRegistry
+from serve_app.pipeline.topology import StageGroup
+from serve_app.protocol.oip import OpenInferenceService
+from serve_app.protocol.streams import StreamRunner
 
 MODEL = "efficientnet-lite0"
 CAT = range(281, 286)
@@ -279,7 +279,7 @@ def test_oip_version_policies_are_checked() -> None:
     import json
 
     from raystream.oip import grpc_predict_v2_pb2 as oip
-    from serve_app.oip import _version_policy
+    from serve_app.protocol.oip import _version_policy
 
     def policy(version_policy) -> tuple:
         config = json.dumps({"version_policy": version_policy})
@@ -419,8 +419,8 @@ async def test_a_replica_loading_a_version_still_reports_what_it_holds(
     """A version loads for seconds (minutes with CUDA graphs); meanwhile the replica goes on
     reporting, holding the others and not yet this one. Silent past FRESH_S it read as gone:
     a load would route past it, and callers would drop its port."""
-    import serve_app.registry as registry_module
-    from serve_app.topology import ModelStages
+    import serve_app.models.registry as registry_module
+    from serve_app.pipeline.topology import ModelStages
 
     old, new = versions
     monkeypatch.setattr(registry_module, "FRESH_S", 0.5)
@@ -521,7 +521,7 @@ def test_the_desired_state_is_one_key_per_version(monkeypatch) -> None:
     # a replica that starts later does not bring back what was unloaded
     assert ModelRegistry(store, "app").start(["m/1"]) == {"m/2": "serve"}
     # one that finds the state claimed but never written (its writer died) writes it
-    monkeypatch.setattr("serve_app.registry.START_WAIT_S", 0.1)
+    monkeypatch.setattr("serve_app.models.registry.START_WAIT_S", 0.1)
     store.put("dead/start/claimed", b"")
     assert ModelRegistry(store, "dead").start(["m/1"]) == {"m/1": "serve"}
 
@@ -531,7 +531,7 @@ class _StuckWarmUps:
     `release` is set; then they go on as usual. `started`: the warm-ups begun."""
 
     def __init__(self, loads: int, monkeypatch) -> None:
-        import serve_app.inference as inference
+        import serve_app.stages.inference as inference
 
         real = inference._warm_engine
         self.release, self.started = threading.Event(), 0
@@ -578,7 +578,7 @@ async def test_a_stuck_load_is_given_up_even_where_its_cleanup_waits_for_the_stu
 ) -> None:
     """A stage's cleanup on cancel may wait for its stuck thread (a decode thread's shutdown
     does): the load is given up at its limit all the same, not when the thread ends."""
-    import serve_app.topology as topology
+    import serve_app.pipeline.topology as topology
 
     release = threading.Event()
 

@@ -1,4 +1,4 @@
-"""The check on client-preprocessed input (serve_app/pixels.py): what it accepts, and that
+"""The check on client-preprocessed input (serve_app/wire/pixels.py): what it accepts, and that
 each refusal is the server's InvalidArgument naming what is wrong."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from serve_app.errors import InvalidArgument
-from serve_app.pixels import client_pixels
+from serve_app.wire.pixels import client_pixels
 
 SHAPE = (3, 4, 4)
 

@@ -1,4 +1,4 @@
-"""A request's images as spans of the message it came in (serve_app/request_images.py): the
+"""A request's images as spans of the message it came in (serve_app/wire/request_images.py): the
 split agrees with protobuf's own parse on every request, refuses what is not wire format,
 the spans behave as the tuple of bytes they stand for, through pickling and the
 shared-memory handoff, and the raystream.v1 stream takes large requests' images this way."""
@@ -13,11 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raystream.v1 import classifier_pb2 as pb
-from serve_app import request_images, shared_images, v1
-from serve_app.messages import Batch, Job
-from serve_app.request_images import ImageSpans, buffers, pick, split_images
-from serve_app.shared_images import ImageReader, ImageWriter
-from serve_app.v1 import IMAGES_FIELD
+from serve_app.core.messages import Batch, Job
+from serve_app.protocol import v1
+from serve_app.protocol.v1 import IMAGES_FIELD
+from serve_app.transport import shared_images
+from serve_app.transport.shared_images import ImageReader, ImageWriter
+from serve_app.wire import request_images
+from serve_app.wire.request_images import ImageSpans, buffers, pick, split_images
 
 requests = st.builds(
     pb.ClassifyRequest,

@@ -1,4 +1,4 @@
-"""The ingress' result cache (serve_app/result_cache.py) in the serving core, without Ray or
+"""The ingress' result cache (serve_app/core/result_cache.py) in the serving core, without Ray or
 gRPC: the real stages and the real model in one StageGroup, run in-process; the calls counted
 and held at a gate where a test is about what is in flight at once."""
 
@@ -10,12 +10,12 @@ import pytest
 
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.v1 import classifier_pb2 as pb
-from serve_app import result_cache
 from serve_app.config import STAGES, AppConfig, EngineConfig
-from serve_app.core import ServingCore
-from serve_app.messages import Answer, Batch, Job, OipOutput
-from serve_app.result_cache import ENTRY_OVERHEAD, ResultCache, image_keys
-from serve_app.topology import StageGroup
+from serve_app.core import result_cache
+from serve_app.core.messages import Answer, Batch, Job, OipOutput
+from serve_app.core.result_cache import ENTRY_OVERHEAD, ResultCache, image_keys
+from serve_app.core.serving import ServingCore
+from serve_app.pipeline.topology import StageGroup
 
 DEADLINE_EXCEEDED, INTERNAL, INVALID_ARGUMENT = 4, 13, 3
 

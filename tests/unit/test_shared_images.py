@@ -1,5 +1,5 @@
-"""The shared-memory handoff of images (serve_app/shared_images.py): a batch's images written
-into a segment come back whole on the other side; segments are reused, bounded, reserved
+"""The shared-memory handoff of images (serve_app/transport/shared_images.py): a batch's images
+written into a segment come back whole on the other side; segments are reused, bounded, reserved
 whole, and removed with their process."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import subprocess
 
 import pytest
 
-from serve_app import shared_images
-from serve_app.messages import Batch, Job
-from serve_app.shared_images import ImageReader, ImageWriter, SharedImagesMissing
+from serve_app.core.messages import Batch, Job
+from serve_app.transport import shared_images
+from serve_app.transport.shared_images import ImageReader, ImageWriter, SharedImagesMissing
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Which transport a stage call takes (serve_app/topology.py StageHandle): by value over
+"""Which transport a stage call takes (serve_app/pipeline/topology.py StageHandle): by value over
 Serve's gRPC transport only where the replicas' message limit is raised, and only for a
 small batch; the object store otherwise."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from serve_app.config import MESSAGE_LIMIT_ENV
-from serve_app.messages import Batch, Job
-from serve_app.topology import BY_VALUE_MAX_BYTES, StageChain, StageHandle
+from serve_app.core.messages import Batch, Job
+from serve_app.pipeline.topology import BY_VALUE_MAX_BYTES, StageChain, StageHandle
 
 
 class FakeHandle:

@@ -1,5 +1,5 @@
-"""Stage calls over the replicas' own ports (serve_app/stage_port.py): real link servers
-(serve_app/call_link.py) on loopback ports, the registry in memory. The answer or the
+"""Stage calls over the replicas' own ports (serve_app/transport/stage_port.py): real link servers
+(serve_app/transport/call_link.py) on loopback ports, the registry in memory. The answer or the
 stage's own exception comes back; with no address, or a port that fails, the call goes by
 handle and loses nothing."""
 
@@ -12,13 +12,13 @@ import weakref
 
 import pytest
 
-from serve_app import device_crops, shared_images
-from serve_app.call_link import CALL, HELLO, REFUSED
+from serve_app.core.messages import Batch, Job
 from serve_app.errors import ModelNotFound
-from serve_app.load_board import LoadBoard
-from serve_app.messages import Batch, Job
-from serve_app.registry import MemoryStore, ModelRegistry
-from serve_app.stage_port import PortCalls, StagePort
+from serve_app.models.registry import MemoryStore, ModelRegistry
+from serve_app.transport import device_crops, shared_images
+from serve_app.transport.call_link import CALL, HELLO, REFUSED
+from serve_app.transport.load_board import LoadBoard
+from serve_app.transport.stage_port import PortCalls, StagePort
 
 TOKEN = "app secret"
 
@@ -312,7 +312,7 @@ async def test_a_call_cut_off_by_its_closing_link_goes_by_handle(monkeypatch) ->
     """An address dropped while a call runs closes its link after a grace; a call still
     running then fails. It goes by handle (not a CancelledError that leaves
     its requests unanswered), and the address, reported again, starts from no calls."""
-    import serve_app.stage_port as stage_port
+    import serve_app.transport.stage_port as stage_port
 
     class SlowStage(Stage):
         async def run(self, batch: Batch) -> list[str]:
@@ -339,7 +339,7 @@ async def test_a_call_cut_off_by_its_closing_link_goes_by_handle(monkeypatch) ->
 
 class _CropsOnAnotherGpu:
     """Stands for a CUDA tensor whose GPU the callee cannot see: its IPC handle, unpickled
-    there, raises CropsNotHere (serve_app/device_crops.py); its bytes are 'host crops'."""
+    there, raises CropsNotHere (serve_app/transport/device_crops.py); its bytes are 'host crops'."""
 
     is_cuda = True
     nbytes = 10

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from serve_app.stall_watch import StallWatch
+from serve_app.stages.stall_watch import StallWatch
 
 
 def test_it_reports_the_oldest_call_running_and_zero_once_none_runs() -> None:

@@ -1,4 +1,4 @@
-"""The stream runner shared by both protocols (serve_app/streams.py), without gRPC: answers
+"""The stream runner shared by both protocols (serve_app/protocol/streams.py), without gRPC: answers
 made by coroutines (TaskStarter), as the Open Inference Protocol's stream makes them."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from serve_app.streams import StreamRunner, TaskStarter
+from serve_app.protocol.streams import StreamRunner, TaskStarter
 
 
 async def _requests(*items):

@@ -22,7 +22,7 @@ import io
 import pickle
 from collections.abc import Iterator, Sequence
 
-from serve_app import device_crops
+from serve_app.transport import device_crops
 
 LENGTH_DELIMITED = 2
 _FIXED = {1: 8, 5: 4}  # wire type: bytes (64-bit, 32-bit)

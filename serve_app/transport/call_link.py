@@ -1,4 +1,4 @@
-"""The wire under the stage ports (serve_app/stage_port.py): calls between raystream's own
+"""The wire under the stage ports (serve_app/transport/stage_port.py): calls between raystream's own
 processes as length-prefixed frames over one asyncio TCP connection per caller and replica,
 many calls in flight on it at once, answered in any order.
 

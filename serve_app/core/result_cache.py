@@ -2,8 +2,8 @@
 asked of it, so a repeated image skips every stage; and one engine pass for identical images
 in flight at once (in-flight dedup).
 
-Only the serving core (serve_app/core.py) uses it, and only where `cache.enabled`: there a hit
-costs a hash and a dict lookup, not a Ray call, a decode and an engine pass.
+Only the serving core (serve_app/core/serving.py) uses it, and only where `cache.enabled`: there a
+hit costs a hash and a dict lookup, not a Ray call, a decode and an engine pass.
 
 - **Key**: BLAKE3 (a cryptographic hash, so no client can make an image collide with
   another's; 2.7x SHA-256's speed on the ingress' CPUs: 18 against 48 us for an 84 KB JPEG) of
@@ -13,7 +13,7 @@ costs a hash and a dict lookup, not a Ray call, a decode and an engine pass.
   asked (v1: top_k where labels were asked, the embedding; OIP: each output's kind and k),
   then the image's bytes. 16 bytes of it.
 - **Value**: the image's fragment of its answer (messages.Fragment), from which
-  serve_app/answers.py builds the answer as it does for the stages.
+  serve_app/wire/answers.py builds the answer as it does for the stages.
 - **Not kept**: per-image failures, client pixel tensors (`Job.pixels`), jobs of no image.
 - **Bounded**: least recently used entries go once keys and fragments (with
   `ENTRY_OVERHEAD` each) pass `cache.max_bytes`.
@@ -35,9 +35,9 @@ from typing import Any
 
 import blake3
 
-from serve_app.answers import failed, oip_answer, oip_widths, v1_answer
-from serve_app.messages import Answer, Failure, Fragment, Job, Served, StageTiming
-from serve_app.request_images import buffers, pick
+from serve_app.core.messages import Answer, Failure, Fragment, Job, Served, StageTiming
+from serve_app.wire.answers import failed, oip_answer, oip_widths, v1_answer
+from serve_app.wire.request_images import buffers, pick
 
 # What an entry costs beyond its key's and fragment's bytes: the OrderedDict's node and the
 # objects' headers (tracemalloc: ~140 bytes for a v1 fragment, a node of ~75 and two bytes
@@ -116,7 +116,7 @@ def cacheable(job: Job) -> bool:
 class _Request:
     """A request under the cache: its images' fragments (or failures) as they come."""
 
-    pending: Any  # the core's handle: `done` once answered (serve_app/core.py _Pending)
+    pending: Any  # the core's handle: `done` once answered (serve_app/core/serving.py _Pending)
     job: Job
     served: Served
     keys: list[bytes]

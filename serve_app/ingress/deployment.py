@@ -1,6 +1,7 @@
 """The Ingress deployment: a grpc.aio server inside a Serve replica, terminating client
-streams for raystream.v1 (serve_app/v1.py) and the Open Inference Protocol (serve_app/oip.py),
-with health and reflection, on the serving core (serve_app/core.py).
+streams for raystream.v1 (serve_app/protocol/v1.py) and the Open Inference Protocol
+(serve_app/protocol/oip.py),
+with health and reflection, on the serving core (serve_app/core/serving.py).
 
 Ray Serve's own gRPC proxy costs about 18x a plain grpc.aio server per bidi message, so the
 ingress runs its own server on the replica's event loop. It sends micro-batches of requests
@@ -23,18 +24,18 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from raystream.oip import grpc_predict_v2_pb2 as oip
-from serve_app import v1
 from serve_app.config import STAGES, AppConfig, deployment_names
-from serve_app.core import ServingCore
-from serve_app.lifecycle import ModelLifecycle
-from serve_app.logs import to_serve_log
-from serve_app.messages import Served
-from serve_app.metrics import resident_memory_bytes
-from serve_app.oip import OpenInferenceService
-from serve_app.registry import POLL_S, ModelRegistry, RayStore
-from serve_app.security import TokenAuth, server_credentials
-from serve_app.streams import StreamRunner
-from serve_app.topology import StageChain, StageGroup, initial_versions
+from serve_app.core.messages import Served
+from serve_app.core.serving import ServingCore
+from serve_app.ingress.security import TokenAuth, server_credentials
+from serve_app.models.lifecycle import ModelLifecycle
+from serve_app.models.registry import POLL_S, ModelRegistry, RayStore
+from serve_app.observability.logs import to_serve_log
+from serve_app.observability.metrics import resident_memory_bytes
+from serve_app.pipeline.topology import StageChain, StageGroup, initial_versions
+from serve_app.protocol import v1
+from serve_app.protocol.oip import OpenInferenceService
+from serve_app.protocol.streams import StreamRunner
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class Ingress:
     """Starts the gRPC server in this replica; it serves until the replica stops.
 
     `stages`: the handles of the stage deployments up to the one holding inference, in
-    order (serve_app/topology.py, StageChain); none in topology `direct`,
+    order (serve_app/pipeline/topology.py, StageChain); none in topology `direct`,
     where this replica runs the stages and takes the batching `user_config` that the
     Inference deployment takes otherwise."""
 

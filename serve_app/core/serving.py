@@ -1,7 +1,7 @@
 """The protocol-neutral serving core of an ingress replica: the checks every request passes,
 its deadline, admission, the micro-batched calls to the stages, and exactly one answer per
-request, counted in the metrics and logged. The gRPC adapters (serve_app/v1.py,
-serve_app/oip.py) turn their protocol's requests into Jobs and write the answers' bytes.
+request, counted in the metrics and logged. The gRPC adapters (serve_app/protocol/v1.py,
+serve_app/protocol/oip.py) turn their protocol's requests into Jobs and write the answers' bytes.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from engines.scores import DEFAULT_TOP_K
-from serve_app.answers import failed, with_ingress_times
 from serve_app.config import AppConfig
-from serve_app.dispatch import Dispatcher
+from serve_app.core.dispatch import Dispatcher
+from serve_app.core.messages import Answer, Batch, Failure, Job, Served, copied
+from serve_app.core.result_cache import CachedRequests, Part, cacheable
 from serve_app.errors import (
     MAX_MESSAGE_CHARS,
     Code,
@@ -37,10 +38,9 @@ from serve_app.errors import (
     message_for,
     replica_lost,
 )
-from serve_app.messages import Answer, Batch, Failure, Job, Served, copied
-from serve_app.metrics import IngressMetrics
-from serve_app.registry import parse_model_name
-from serve_app.result_cache import CachedRequests, Part, cacheable
+from serve_app.models.registry import parse_model_name
+from serve_app.observability.metrics import IngressMetrics
+from serve_app.wire.answers import failed, with_ingress_times
 
 logger = logging.getLogger(__name__)
 # Calls sent again after losing a stage replica (_call): once covers a replica or node lost
@@ -283,7 +283,7 @@ class ServingCore:
 
     def _release(self, pending: _Pending) -> None:
         """Under the result cache: what `pending` computed for other requests goes back to
-        them (serve_app/result_cache.py)."""
+        them (serve_app/core/result_cache.py)."""
         if pending.cached is not None:
             cached, pending.cached = pending.cached, None
             self._cache.release(cached)
@@ -427,7 +427,7 @@ class ServingCore:
 
     async def _export_metrics(self) -> None:
         """Each second: the counts gathered since the last export and the in-flight gauge
-        (serve_app/metrics.py: a Ray metric call per request costs too much)."""
+        (serve_app/observability/metrics.py: a Ray metric call per request costs too much)."""
         exported = None
         while True:
             try:

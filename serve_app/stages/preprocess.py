@@ -1,10 +1,11 @@
 """The preprocess stage: every job's encoded images decoded to crops for the engine, in the
-fair decode pool (serve_app/decode_pool.py); a bad image fails alone. With `decode: gpu` the
+fair decode pool (serve_app/stages/decode_pool.py); a bad image fails alone. With `decode: gpu` the
 JPEGs nvJPEG can take (engines/jpeg.py reads their headers, on this thread: microseconds) go
 to nvJPEG (engines/gpu_decode.py); only the others go to the pool. The inference stage
 decodes them (its engine batches start as each piece is decoded), or with
 `preprocess_decodes_on_gpu` this stage does, in a Preprocess deployment of its own, and the
-crops go on to Inference on the GPU (serve_app/device_crops.py). Plain code: the Preprocess
+crops go on to Inference on the GPU (serve_app/transport/device_crops.py). Plain code: the
+Preprocess
 deployment hosts it, or the Inference deployment or the ingress where the topology fuses
 them.
 """
@@ -21,10 +22,10 @@ from engines.images import InvalidImage
 from engines.jpeg import gpu_size
 from engines.repository import ModelRef, PreprocessSpec, resolve
 from serve_app.config import AppConfig
-from serve_app.decode_pool import DecodePool
+from serve_app.core.messages import NO_OWNERS, Batch, Failure, StageTiming, fail_jobs
 from serve_app.errors import Code, code_for, message_for
-from serve_app.messages import NO_OWNERS, Batch, Failure, StageTiming, fail_jobs
-from serve_app.nvjpeg_queue import DECODE_BATCH, NvjpegQueue
+from serve_app.stages.decode_pool import DecodePool
+from serve_app.stages.nvjpeg_queue import DECODE_BATCH, NvjpegQueue
 
 
 def load_model(config: AppConfig) -> ModelRef:

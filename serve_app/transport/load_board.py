@@ -1,15 +1,15 @@
 """How busy each stage replica on this node is, for its callers: the images its own stages
 hold (received over its stage port, not yet passed on), published in shared memory.
 
-A caller (serve_app/stage_port.py, PortCalls) picks the replica for each call. Its own calls
-in flight tell it nothing of the other callers' (six ingress replicas share twelve Inference
-replicas in `deploy/serve_config.gpu.yaml`), so two callers can load one replica while
-another idles, and the request that waits behind them sets the latency tail. Each stage port
-therefore writes the images it holds into a small file in /dev/shm named by its address
-(LoadSlot), counted as a call arrives (its frame names its images: serve_app/call_link.py),
-before it is unpickled; a caller on the same node maps it and reads it at each pick
-(LoadBoard), a few hundred nanoseconds. Replicas on other nodes publish nowhere the caller
-can read: where the candidates span nodes, the caller counts its own images in flight only.
+A caller (serve_app/transport/stage_port.py, PortCalls) picks the replica for each call.
+Its own calls in flight tell it nothing of the other callers' (six ingress replicas share
+twelve Inference replicas in `deploy/serve_config.gpu.yaml`), so two callers can load one
+replica while another idles, and the request that waits behind them sets the latency tail.
+Each stage port therefore writes the images it holds into a small file in /dev/shm named by
+its address (LoadSlot), counted as a call arrives (its frame names its images:
+serve_app/transport/call_link.py), before it is unpickled; a caller on the same node maps it
+and reads it at each pick (LoadBoard), a few hundred nanoseconds. Replicas on other nodes
+publish nowhere the caller can read: where the candidates span nodes, the caller counts its own images in flight only.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import os
 import struct
 from pathlib import Path
 
-from serve_app.shared_images import SHM_DIR, alive
+from serve_app.transport.shared_images import SHM_DIR, alive
 
 logger = logging.getLogger(__name__)
 

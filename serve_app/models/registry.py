@@ -101,7 +101,7 @@ class Report:
     holds: frozenset[str]  # versions loaded (stage replicas) or routed and busy (ingress)
     at: float
     failed: dict[str, str]  # versions that failed to load here, and why
-    address: str = ""  # the replica's stage port, host:port (serve_app/stage_port.py)
+    address: str = ""  # the replica's stage port, host:port (serve_app/transport/stage_port.py)
 
 
 def key_of(name: str, version: str) -> str:

@@ -2,7 +2,7 @@
 pieces of JPEGs of every call (and ingress replica) into batched decodes. The stage that
 decodes hosts it: the Inference replicas where the topology fuses Preprocess into them, the
 Preprocess replicas where Preprocess is a deployment of its own (their crops then reach
-Inference on the same GPU by CUDA IPC: serve_app/device_crops.py).
+Inference on the same GPU by CUDA IPC: serve_app/transport/device_crops.py).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 from engines.repository import PreprocessSpec
-from serve_app.batching import DynamicBatcher
 from serve_app.config import AppConfig
-from serve_app.stall_watch import StallWatch
+from serve_app.stages.batching import DynamicBatcher
+from serve_app.stages.stall_watch import StallWatch
 
 # JPEGs per nvJPEG call. One decode thread takes everything queued (calls from every ingress
 # replica) up to this: torchvision decodes under a process-wide lock anyway, and on an H200
@@ -29,7 +29,7 @@ class NvjpegQueue:
 
     def __init__(self, config: AppConfig, spec: PreprocessSpec) -> None:
         from engines.gpu_decode import GpuJpegDecoder  # GPU machines only
-        from serve_app.preprocess import decode_limits
+        from serve_app.stages.preprocess import decode_limits
 
         hybrid = None
         if config.gpu_hybrid_decode:

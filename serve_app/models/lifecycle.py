@@ -1,5 +1,5 @@
 """Loading and unloading model versions at run time, from an ingress replica, with no
-downtime (serve_app/registry.py holds the shared state; docs/operations.md the procedure).
+downtime (serve_app/models/registry.py holds the shared state; docs/operations.md the procedure).
 
 Load: the versions wanted are marked `serve`; every stage replica loads and warms them and
 reports them held; each ingress routes to a version only once every live replica of every
@@ -23,10 +23,10 @@ from typing import TypeVar
 
 from engines.repository import LOAD_FAILED, list_models, list_versions, select_versions
 from serve_app.config import ModelEntry
-from serve_app.core import ServingCore
+from serve_app.core.messages import Served
+from serve_app.core.serving import ServingCore
 from serve_app.errors import DeadlineExceeded, InvalidArgument, ModelNotFound, Unavailable, clip
-from serve_app.messages import Served
-from serve_app.registry import POLL_S, ModelRegistry, key_of, parse_model_name, split_key
+from serve_app.models.registry import POLL_S, ModelRegistry, key_of, parse_model_name, split_key
 
 logger = logging.getLogger(__name__)
 

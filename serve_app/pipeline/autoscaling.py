@@ -2,7 +2,7 @@
 
 Serve scales a deployment on its requests in flight (running at its replicas and queued at
 its callers' handles) against `target_ongoing_requests` per replica. Calls over the stage
-ports (`stage_calls: port`, serve_app/stage_port.py) are not Serve requests, so each stage
+ports (`stage_calls: port`, serve_app/transport/stage_port.py) are not Serve requests, so each stage
 replica reports its port's calls in flight as a custom metric (`Stages.record_autoscaling_stats`,
 serve_app/app.py) and this policy adds them to Serve's count. Over handles the metric stays 0
 and the policy decides as Serve's default does. Serve applies the rest of the
@@ -11,7 +11,7 @@ autoscaling_config around it (min and max replicas, delays, scaling factors).
 A deployment's autoscaling_config names it:
 
     autoscaling_config:
-      policy: {policy_function: serve_app.autoscaling:stage_calls_policy}
+      policy: {policy_function: serve_app.pipeline.autoscaling:stage_calls_policy}
 
 and `raystream serve` names it for every autoscaled stage deployment that names no policy.
 Serve sends the function to its controller by value: this module imports nothing of raystream.
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ray.serve.config import AutoscalingContext
 
-POLICY = "serve_app.autoscaling:stage_calls_policy"
+POLICY = "serve_app.pipeline.autoscaling:stage_calls_policy"
 PORT_CALLS = "stage_port_calls"  # the custom metric: calls in flight over a replica's port
 
 

@@ -3,16 +3,17 @@ Serve's handles.
 
 A Serve handle call costs its two processes about twice a plain Ray actor call, and about
 2.5 times the same bytes sent over a grpc.aio channel between the same two replicas, which
-costs several times a call over raystream's own framed link (serve_app/call_link.py; `python
+costs several times a call over raystream's own framed link (serve_app/transport/call_link.py;
+`python
 bench/call_cost.py` measures all four). The stages' calls carry whole micro-batches, but at
 small batches (one-image requests, low load) those costs are a large part of an image's CPU
 and latency. So, with `stage_calls: port`, each stage replica also serves its `run` on a
 port of its own (StagePort) and reports the address with its models in the registry
-(serve_app/registry.py); a caller (PortCalls) sends each batch, pickled, to the least busy
+(serve_app/models/registry.py); a caller (PortCalls) sends each batch, pickled, to the least busy
 replica of the next deployment among those that report holding the batch's model version
 (by the images each holds for all its callers where they are all on the caller's node:
-serve_app/load_board.py), the images in it through shared memory where that replica is on
-the caller's node (serve_app/shared_images.py). A replica that
+serve_app/transport/load_board.py), the images in it through shared memory where that replica is on
+the caller's node (serve_app/transport/shared_images.py). A replica that
 has started since a version was loaded, and loads it still, then takes no request for it.
 
 Serve still places, starts, scales, stops and health-checks the replicas; the handles still
@@ -21,8 +22,8 @@ the caller knows no address yet, and again by handle when the port fails before 
 (the replica stopped: the address is dropped until its next report). The stages have no
 side effects, so a batch run twice is harmless. Calls over the port are not Serve requests:
 Serve's `max_ongoing_requests` does not bound them (the ingress' micro-batcher bounds its
-calls in flight, serve_app/dispatch.py), and Serve's autoscaler sees them only through
-raystream's policy (serve_app/autoscaling.py), to which every replica reports the port's
+calls in flight, serve_app/core/dispatch.py), and Serve's autoscaler sees them only through
+raystream's policy (serve_app/pipeline/autoscaling.py), to which every replica reports the port's
 calls in its own stages. The port binds the node's address that Ray uses; it serves only
 connections that open with the application's stage token (a random secret that build_app
 gives every replica), and reads no call of a connection before checking it.
@@ -37,13 +38,14 @@ import random
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
-from serve_app import device_crops, request_images
-from serve_app.call_link import Link, LinkDown, LinkServer
+from serve_app.core.messages import Batch
 from serve_app.errors import Code, cancelled_itself, code_for
-from serve_app.load_board import LoadBoard, LoadSlot
-from serve_app.messages import Batch
-from serve_app.registry import ModelRegistry
-from serve_app.shared_images import ImageReader, ImageWriter, SharedImagesMissing
+from serve_app.models.registry import ModelRegistry
+from serve_app.transport import device_crops
+from serve_app.transport.call_link import Link, LinkDown, LinkServer
+from serve_app.transport.load_board import LoadBoard, LoadSlot
+from serve_app.transport.shared_images import ImageReader, ImageWriter, SharedImagesMissing
+from serve_app.wire import request_images
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +54,10 @@ CLOSE_GRACE_S = 30.0
 
 
 class StagePort:
-    """A stage replica's own port for stage calls (serve_app/call_link.py): `run(batch)` on
-    its loop, then `then(result)` (the call to the next group) where given; the images a
-    call brings count as this replica's load (serve_app/load_board.py) while `run` has
-    them."""
+    """A stage replica's own port for stage calls (serve_app/transport/call_link.py):
+    `run(batch)` on its loop, then `then(result)` (the call to the next group) where given;
+    the images a call brings count as this replica's load (serve_app/transport/load_board.py)
+    while `run` has them."""
 
     def __init__(
         self,
@@ -123,7 +125,7 @@ class PortCalls:
 
     `fallback(batch)`: the same call through Serve's handle; `token`: the stage token;
     `node`: this process's node address, and `shared_bytes` of shared memory to hand images
-    to the replicas there (serve_app/shared_images.py; 0: calls carry them)."""
+    to the replicas there (serve_app/transport/shared_images.py; 0: calls carry them)."""
 
     def __init__(
         self,
@@ -194,7 +196,7 @@ class PortCalls:
 
     async def _call(self, link: Link, batch: Batch, images: int) -> tuple[bool, Any]:
         """One call over `link`, of `images` images; crops on the GPU by CUDA IPC where the
-        replica can open them (serve_app/device_crops.py), else their bytes."""
+        replica can open them (serve_app/transport/device_crops.py), else their bytes."""
         address = link.address
         if address in self._crops_as_bytes or not self._on_this_node(address):
             return await self._call_with_images(link, device_crops.on_host(batch), images)
@@ -247,7 +249,7 @@ class PortCalls:
     def _pick(self, model: str = "") -> str | None:
         """The least busy address (ties at random), among those that report holding `model`
         where any does. Where every candidate is on this node and publishes its load
-        (serve_app/load_board.py): by the images it holds for all its callers, or this
+        (serve_app/transport/load_board.py): by the images it holds for all its callers, or this
         caller's own in flight to it if more (sent, not arrived yet). Otherwise by this
         caller's own images alone: the load of another node's replicas is not seen here,
         and beside the others' it would read as idle."""

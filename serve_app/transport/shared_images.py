@@ -1,7 +1,7 @@
 """Images handed to a stage replica on the same node through shared memory, not sent in the
 stage call (`shared_images_bytes`, with `stage_calls: port`).
 
-A call over a stage port (serve_app/stage_port.py) carries its batch pickled. Where the
+A call over a stage port (serve_app/transport/stage_port.py) carries its batch pickled. Where the
 batch holds the requests' encoded images (the call into the group that decodes them), those
 bytes dominate the call: on the 2-core CPU machine a 5.6 MB call costs the caller 4.0 ms of
 CPU and the callee 12.0 (`python bench/call_cost.py --payload-kb 5600`), against about 0.4 ms
@@ -32,8 +32,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from serve_app.messages import Batch
-from serve_app.request_images import buffers
+from serve_app.core.messages import Batch
+from serve_app.wire.request_images import buffers
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """What travels between the ingress and the stages: whole batches of requests, never one
 request or one image per message. Frozen dataclasses of tuples and arrays (cheap to pickle
 through Ray). No protocol here: the gRPC adapters turn requests into Jobs, and the answer
-formats (serve_app/answers.py) turn outcomes into each protocol's response bytes.
+formats (serve_app/wire/answers.py) turn outcomes into each protocol's response bytes.
 
     ingress --Batch(jobs)--> Preprocess --Batch(+crops)--> Inference --Batch(+scores,
             +embeddings)--> Postprocess --list[Answer]--> ingress
@@ -19,7 +19,7 @@ import numpy as np
 
 from engines import EngineInfo
 from serve_app.errors import code_for, message_for
-from serve_app.request_images import buffers
+from serve_app.wire.request_images import buffers
 
 NO_OWNERS = np.empty((0, 2), np.int32)
 
@@ -76,7 +76,7 @@ class Job:
     embedding: bool = False  # the embedding per image (carried only for jobs that ask)
     deadline: float | None = None  # time.time() past which nobody waits for the answer
     flow: str = ""  # the stream or connection it came on: flows share the decoders in turn
-    protocol: str = "v1"  # "v1" or "oip": the answer's format (serve_app/answers.py)
+    protocol: str = "v1"  # "v1" or "oip": the answer's format (serve_app/wire/answers.py)
     oip_outputs: tuple[OipOutput, ...] = ()
     model: str = ""  # the model version that answers: "name/version" (empty: the default)
     count: int = -1  # images in the request; kept when a stage drops the inputs it used
@@ -116,7 +116,7 @@ def fail_jobs(failures: dict[int, Failure], owners: np.ndarray, exc: Exception) 
         failures.setdefault(job, failure)
 
 
-# One image's part of its answer (serve_app/answers.py), what the ingress' result cache keeps:
+# One image's part of its answer (serve_app/wire/answers.py), what the ingress' result cache keeps:
 # raystream.v1: its ImageResult as a ClassifyResponse field-2 entry; OIP: its row of each
 # output the request asked for.
 Fragment = bytes | tuple[bytes, ...]
@@ -156,7 +156,8 @@ class Batch:
         return total + sum(array.nbytes for array in arrays if array is not None)
 
     def image_count(self) -> int:
-        """The images of its requests (a stage replica's load: serve_app/load_board.py)."""
+        """The images of its requests (a stage replica's load:
+        serve_app/transport/load_board.py)."""
         return sum(job.count for job in self.jobs)
 
     def live_jobs(self) -> list[int]:

@@ -12,8 +12,8 @@ one after the other in-process:
 or any grouping written out, e.g. `[[preprocess, inference], [postprocess]]`. A group is named
 for its main stage (Inference if it holds inference), and that name is what the Serve
 config's `deployments:` section configures. The ingress sends each micro-batch of requests
-through the groups as a chain of handle calls (serve_app/ingress.py), or with
-`stage_calls: port` over the replicas' own gRPC ports (serve_app/stage_port.py).
+through the groups as a chain of handle calls (serve_app/ingress/deployment.py), or with
+`stage_calls: port` over the replicas' own gRPC ports (serve_app/transport/stage_port.py).
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from engines.repository import ModelRef, ModelSpec, PreprocessSpec, resolve, select_versions
 from serve_app.config import MESSAGE_LIMIT_ENV, AppConfig, Group
+from serve_app.core.messages import Answer, Batch, Served
 from serve_app.errors import Unavailable, clip
-from serve_app.inference import InferenceStage
-from serve_app.messages import Answer, Batch, Served
-from serve_app.metrics import resident_memory_bytes
-from serve_app.postprocess import PostprocessStage
-from serve_app.preprocess import PreprocessStage, load_model
-from serve_app.registry import POLL_S, ModelRegistry, key_of, split_key
-from serve_app.stage_port import PortCalls
+from serve_app.models.registry import POLL_S, ModelRegistry, key_of, split_key
+from serve_app.observability.metrics import resident_memory_bytes
+from serve_app.stages.inference import InferenceStage
+from serve_app.stages.postprocess import PostprocessStage
+from serve_app.stages.preprocess import PreprocessStage, load_model
+from serve_app.transport.stage_port import PortCalls
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -209,7 +209,7 @@ class StageGroup:
     deployment (serve_app/app.py), or behind the ingress in topology direct. Each batch
     carries one model version's requests (`Batch.model`; empty: the default model).
 
-    With a registry (serve_app/registry.py), the group follows the application's desired
+    With a registry (serve_app/models/registry.py), the group follows the application's desired
     state: it loads and warms new versions, then reports them held; it drops the versions
     no longer wanted."""
 
@@ -309,7 +309,7 @@ class StageGroup:
     def check_health(self) -> None:
         """Raises where an engine or nvJPEG call has run past `limits.engine_stall_timeout_s`:
         it is stuck (a hung GPU or runtime), and Serve replaces a replica whose health check
-        fails; the calls it held are sent again elsewhere (serve_app/core.py). Raises too
+        fails; the calls it held are sent again elsewhere (serve_app/core/serving.py). Raises too
         once a model version's load has run past `limits.load_timeout_s`."""
         if self._stuck is not None:
             logger.error(self._stuck)

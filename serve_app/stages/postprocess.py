@@ -1,5 +1,5 @@
 """The postprocess stage: each job's answer, in its protocol, from the batch's top-k and
-embedding arrays (serve_app/answers.py). Plain code: the Postprocess deployment hosts it, or
+embedding arrays (serve_app/wire/answers.py). Plain code: the Postprocess deployment hosts it, or
 the Inference deployment or the ingress where the topology fuses them."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 
 from engines.repository import ModelSpec
 from raystream.v1 import classifier_pb2 as pb
-from serve_app.answers import answer_all
-from serve_app.messages import Answer, Batch, copied
+from serve_app.core.messages import Answer, Batch, copied
+from serve_app.wire.answers import answer_all
 
 
 class PostprocessStage:

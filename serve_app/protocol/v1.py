@@ -1,4 +1,4 @@
-"""raystream.v1.ImageClassifier over the serving core (serve_app/core.py): requests parsed
+"""raystream.v1.ImageClassifier over the serving core (serve_app/core/serving.py): requests parsed
 and checked here, answers written as the bytes the postprocess stage made (the response
 serializer is the identity: this replica never re-encodes a response).
 """
@@ -13,7 +13,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from raystream.v1 import classifier_pb2 as pb
-from serve_app.core import ServingCore
+from serve_app.core.messages import Answer, Job
+from serve_app.core.serving import ServingCore
 from serve_app.errors import (
     DuplicateRequest,
     InvalidArgument,
@@ -21,10 +22,9 @@ from serve_app.errors import (
     clip,
     parsed_or_none,
 )
-from serve_app.messages import Answer, Job
-from serve_app.pixels import client_pixels
-from serve_app.request_images import split_images
-from serve_app.streams import StreamRunner
+from serve_app.protocol.streams import StreamRunner
+from serve_app.wire.pixels import client_pixels
+from serve_app.wire.request_images import split_images
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ImageClassifier"].full_name
 IMAGES_FIELD = pb.ClassifyRequest.DESCRIPTOR.fields_by_name["images"].number
@@ -95,7 +95,7 @@ class _Read:
 async def _parsed(messages: AsyncIterator[bytes]) -> AsyncIterator[_Read]:
     """Parsed here rather than by gRPC: the size comes free (ByteSize re-encodes the whole
     message), a malformed message fails alone instead of ending the stream, and a large
-    message's images stay in it as received (serve_app/request_images.py)."""
+    message's images stay in it as received (serve_app/wire/request_images.py)."""
     async for raw in messages:
         split = split_images(raw, IMAGES_FIELD) if len(raw) >= SPLIT_MIN_BYTES else None
         try:
@@ -121,7 +121,7 @@ class ClassifierService:
         return grpc.method_handlers_generic_handler(
             SERVICE,
             {
-                # Raw bytes in: the stream parses them itself (serve_app/v1.py _parsed)
+                # Raw bytes in: the stream parses them itself (serve_app/protocol/v1.py _parsed)
                 "Classify": grpc.stream_stream_rpc_method_handler(self.Classify, None, None),
                 "ClassifyOnce": grpc.unary_unary_rpc_method_handler(
                     self.ClassifyOnce, parsed_or_none(pb.ClassifyRequest), None

@@ -8,7 +8,7 @@ The ingress adds its own times (end to end, and the wait for a call) by appendin
 concatenated messages field by field (`with_ingress_times`).
 
 An answer is built from its images' fragments (messages.Fragment), so the ingress' result
-cache (serve_app/result_cache.py) builds an answer from fragments it kept with the same
+cache (serve_app/core/result_cache.py) builds an answer from fragments it kept with the same
 functions (`v1_answer`, `oip_answer`).
 """
 
@@ -25,10 +25,10 @@ import numpy as np
 from engines.repository import ModelSpec
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.v1 import classifier_pb2 as pb
+from serve_app.core.messages import Answer, Batch, Failure, Fragment, Job, OipOutput, StageTiming
 from serve_app.errors import Code
-from serve_app.messages import Answer, Batch, Failure, Fragment, Job, OipOutput, StageTiming
 
-# OIP tensor names (serve_app/oip.py documents the model interface)
+# OIP tensor names (serve_app/protocol/oip.py documents the model interface)
 OIP_IMAGES, OIP_PIXELS, OIP_SCORES, OIP_LABELS = "images", "pixels", "probabilities", "labels"
 OIP_EMBEDDING = "embedding"
 

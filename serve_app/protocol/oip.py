@@ -31,12 +31,8 @@ import numpy as np
 from engines.scores import DEFAULT_TOP_K
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
-from serve_app.answers import OIP_EMBEDDING as EMBEDDING
-from serve_app.answers import OIP_IMAGES as INPUT
-from serve_app.answers import OIP_LABELS as LABELS
-from serve_app.answers import OIP_PIXELS as PIXELS
-from serve_app.answers import OIP_SCORES as SCORES
-from serve_app.core import ServingCore
+from serve_app.core.messages import Answer, Job, OipOutput, Served
+from serve_app.core.serving import ServingCore
 from serve_app.errors import (
     InvalidArgument,
     RaystreamError,
@@ -46,12 +42,16 @@ from serve_app.errors import (
     message_for,
     parsed_or_none,
 )
-from serve_app.lifecycle import ModelLifecycle
-from serve_app.messages import Answer, Job, OipOutput, Served
-from serve_app.pixels import client_pixels
-from serve_app.registry import parse_model_name
-from serve_app.streams import StreamRunner, TaskStarter
-from serve_app.v1 import budget_s, unary_handler
+from serve_app.models.lifecycle import ModelLifecycle
+from serve_app.models.registry import parse_model_name
+from serve_app.protocol.streams import StreamRunner, TaskStarter
+from serve_app.protocol.v1 import budget_s, unary_handler
+from serve_app.wire.answers import OIP_EMBEDDING as EMBEDDING
+from serve_app.wire.answers import OIP_IMAGES as INPUT
+from serve_app.wire.answers import OIP_LABELS as LABELS
+from serve_app.wire.answers import OIP_PIXELS as PIXELS
+from serve_app.wire.answers import OIP_SCORES as SCORES
+from serve_app.wire.pixels import client_pixels
 
 SERVICE = "inference.GRPCInferenceService"
 NOT_A_REQUEST = "message is not an inference.ModelInferRequest"
@@ -270,7 +270,7 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
                 "processed; send them again",
             )
 
-    # Probes answer without a token when token auth is on (serve_app/security.py), as the
+    # Probes answer without a token when token auth is on (serve_app/ingress/security.py), as the
     # grpc.health.v1 service does.
     async def ServerLive(self, request, context):
         return oip.ServerLiveResponse(live=True)

@@ -1,6 +1,6 @@
 """The inference stage: one engine, the dynamic batcher in front of it, and (decode: gpu) the
 nvJPEG decoder beside it. Plain code: the Inference deployment hosts it, or the ingress
-replica itself in topology `direct` (serve_app/topology.py).
+replica itself in topology `direct` (serve_app/pipeline/topology.py).
 
 A call brings a whole Batch (many requests); its images are cut into pieces of at most
 `max_batch_size` that join the batcher's queue, so one engine batch can hold images of several
@@ -28,13 +28,13 @@ from ray import serve
 from engines import Engine, EngineInfo, Outputs, create_engine, pick_engine
 from engines import scores as postprocessing
 from engines.repository import ModelRef
-from serve_app.batching import DynamicBatcher
 from serve_app.config import AppConfig, BatchingConfig
+from serve_app.core.messages import NO_OWNERS, Batch, Failure, Job, StageTiming, fail_jobs
 from serve_app.errors import Code, Unavailable
-from serve_app.messages import NO_OWNERS, Batch, Failure, Job, StageTiming, fail_jobs
-from serve_app.metrics import InferenceMetrics
-from serve_app.nvjpeg_queue import DECODE_BATCH, NvjpegQueue
-from serve_app.stall_watch import StallWatch
+from serve_app.observability.metrics import InferenceMetrics
+from serve_app.stages.batching import DynamicBatcher
+from serve_app.stages.nvjpeg_queue import DECODE_BATCH, NvjpegQueue
+from serve_app.stages.stall_watch import StallWatch
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")

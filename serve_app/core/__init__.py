@@ -1,0 +1,1 @@
+"""The protocol-neutral serving core of an ingress replica: checks, admission, dispatch, cache."""

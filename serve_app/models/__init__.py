@@ -1,0 +1,1 @@
+"""Which model versions an application serves, and loading or unloading them at run time."""

@@ -1,0 +1,1 @@
+"""Prometheus metrics and raystream's log lines."""

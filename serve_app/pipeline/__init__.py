@@ -1,0 +1,1 @@
+"""The route: which deployments run which stages, and the stage deployments' autoscaling."""

@@ -1,0 +1,1 @@
+"""The pipeline's stages: preprocess (decode), inference (batcher + engine), postprocess."""

@@ -1,0 +1,1 @@
+"""How stage calls travel between replicas: raystream's own port link and shared memory."""
