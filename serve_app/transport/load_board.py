@@ -9,7 +9,8 @@ Each stage port therefore writes the images it holds into a small file in /dev/s
 its address (LoadSlot), counted as a call arrives (its frame names its images:
 serve_app/transport/call_link.py), before it is unpickled; a caller on the same node maps it
 and reads it at each pick (LoadBoard), a few hundred nanoseconds. Replicas on other nodes
-publish nowhere the caller can read: where the candidates span nodes, the caller counts its own images in flight only.
+publish nowhere the caller can read: where the candidates span nodes, the caller counts its
+own images in flight only.
 """
 
 from __future__ import annotations
