@@ -77,6 +77,16 @@ class Unavailable(RaystreamError):
     code = Code.UNAVAILABLE
 
 
+class StageError(RaystreamError):
+    """A stage's failure as a stage port's answer carried it (serve_app/transport/codec.py):
+    its status code, its one-line message, and whether a replica was lost on the way."""
+
+    def __init__(self, code: int, message: str, replica_lost: bool = False) -> None:
+        super().__init__(message)
+        self.code = Code(code) if code in Code._value2member_map_ else Code.INTERNAL
+        self.replica_lost = replica_lost
+
+
 # Failures raised by the engines, Ray or asyncio rather than by us, most specific first.
 _FOREIGN_CODES: tuple[tuple[type[BaseException], Code], ...] = (
     (InvalidImage, Code.INVALID_ARGUMENT),
@@ -114,7 +124,10 @@ def replica_lost(exc: BaseException) -> bool:
     that a stage replica stopped while running the call. A CancelledError counts: Serve
     cancels the calls of a replica it stops, and their callers get it bare (a caller tells
     its own cancellation apart first: `cancelled_itself`)."""
-    return any(isinstance(seen, _REPLICA_LOST) for seen in _causes(exc))
+    return any(
+        isinstance(seen, _REPLICA_LOST) or getattr(seen, "replica_lost", False) is True
+        for seen in _causes(exc)
+    )
 
 
 def cancelled_itself() -> bool:

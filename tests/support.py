@@ -1,6 +1,10 @@
-"""Stage batches for the tests that drive the stages directly (GPU hosts run them too)."""
+"""Helpers shared by the tests: stage batches for the tests that drive the stages directly
+(GPU hosts run them too), and waiting for a condition the code under test makes true."""
 
 from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
 
 from raystream.v1 import classifier_pb2 as pb
 from serve_app.core.messages import Batch, Job
@@ -20,3 +24,10 @@ def top_classes(answers) -> list[list[int]]:
         [r.labels[0].class_id if r.labels else r.error.code for r in response.results]
         for response in responses
     ]
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Returns once `condition()` holds, polling the loop; TimeoutError after `timeout_s`."""
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.001)

@@ -2,42 +2,52 @@
 processes as length-prefixed frames over one asyncio TCP connection per caller and replica,
 many calls in flight on it at once, answered in any order.
 
-Why not gRPC: both ends are raystream, the messages are pickles, and a grpc.aio call is
-handed between several threads on each side. A call of 1 KB each way between two Serve
+Why not gRPC: both ends are raystream, the messages are bytes already
+(serve_app/transport/codec.py), and a grpc.aio call is handed between several threads on
+each side. A call of 1 KB each way between two Serve
 replicas, 4 in flight, on the 2-core CPU machine (`python bench/call_cost.py`): 0.035 ms of
 CPU in the two processes together and 0.07 ms p50 here, against 0.53 ms and 1.22 ms for a
 grpc.aio unary method (docs/performance.md).
 
-    connect:   b"RSL1" + u32 token length + token   ->   b"\\x01" (or b"\\x00", closed)
+    caller:    b"RSL2" + 32 random bytes (its nonce)
+    replica:   32 random bytes (its nonce) + HMAC-SHA256(token, "replica" + both nonces)
+    caller:    HMAC-SHA256(token, "caller" + both nonces)   ->   b"\\x01" (or closed)
     a call:    u64 id + u32 images + u64 length + the request bytes
     an answer: u64 id + u64 length + the answer bytes
 
-A connection's first frame is the application's stage token; the replica reads nothing else
-before it has checked it (a call is a pickle, and unpickling runs code). `images` is what
-the call carries (the replica's load: load_board.py). The answer is whatever the handler
-returned: the stage port's pickled (ok, value).
+Both ends prove that they hold the application's stage token, and neither sends it: a
+listener at a stale address learns a MAC over nonces it will never see again, and a caller
+that replays one meets a fresh nonce. The caller sends nothing after its nonce to a replica
+that did not prove itself; the replica reads no call before the caller has. With Ray's TLS
+on (`RAY_USE_TLS`), the connection is TLS with Ray's certificates, verified both ways
+against Ray's CA (`tls_contexts`). `images` is what the call carries (the replica's load:
+load_board.py). The answer is whatever the handler returned.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import itertools
 import logging
+import os
+import secrets
 import socket
+import ssl
 import struct
 from collections.abc import Awaitable, Callable
 
 logger = logging.getLogger(__name__)
 
-HELLO = b"RSL1"
-ACCEPTED, REFUSED = b"\x01", b"\x00"
+HELLO = b"RSL2"
+ACCEPTED = b"\x01"
+NONCE_BYTES = MAC_BYTES = 32
 CALL = struct.Struct("<QIQ")  # id, images, length
 ANSWER = struct.Struct("<QQ")  # id, length
 MAX_FRAME_BYTES = 1 << 30  # calls carry whole batches: tens of MB where requests are large
-MAX_TOKEN_BYTES = 1 << 10
-HELLO_TIMEOUT_S = 10.0  # to connect, and to present or check the token
+HELLO_TIMEOUT_S = 10.0  # to connect, and for the handshake
 # A peer whose host vanished (power, network) sends no reset: without these, calls waiting on
 # its connection would wait until its address left the registry and its links closed (up to
 # ~36 s). Idle for KEEPALIVE_IDLE_S, the kernel probes every KEEPALIVE_INTERVAL_S and drops
@@ -57,15 +67,16 @@ class LinkDown(ConnectionError):
 class LinkServer:
     """Serves `handler(request, images) -> answer` to callers that present `token`."""
 
-    def __init__(self, handler: Handler, token: bytes) -> None:
-        self._handler, self._token = handler, token
+    def __init__(self, handler: Handler, token: bytes, tls: ssl.SSLContext | None = None) -> None:
+        self._handler, self._token, self._tls = handler, token, tls
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.StreamWriter] = set()
         self._calls: set[asyncio.Task] = set()
 
     async def start(self, host: str) -> int:
         """Listens on `host`, on a free port; returns the port."""
-        self._server = await asyncio.start_server(self._serve, host, 0)
+        tls = {"ssl": self._tls, "ssl_handshake_timeout": HELLO_TIMEOUT_S} if self._tls else {}
+        self._server = await asyncio.start_server(self._serve, host, 0, **tls)
         return self._server.sockets[0].getsockname()[1]
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -99,17 +110,23 @@ class LinkServer:
             self._connections.discard(writer)
 
     async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Whether the caller proved the token (see the module's doc)."""
         try:
-            token = await asyncio.wait_for(_token(reader), HELLO_TIMEOUT_S)
+            return await asyncio.wait_for(self._handshake(reader, writer), HELLO_TIMEOUT_S)
         except (asyncio.TimeoutError, OSError, asyncio.IncompleteReadError):
             return False
-        if token is None:
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        hello = await reader.readexactly(len(HELLO) + NONCE_BYTES)
+        if hello[: len(HELLO)] != HELLO:
             return False
-        ok = hmac.compare_digest(token, self._token)
-        writer.write(ACCEPTED if ok else REFUSED)
-        if not ok:
-            await writer.drain()
-        return ok
+        theirs, ours = hello[len(HELLO) :], secrets.token_bytes(NONCE_BYTES)
+        writer.write(ours + _mac(self._token, b"replica", theirs, ours))
+        proof = await reader.readexactly(MAC_BYTES)
+        if not hmac.compare_digest(proof, _mac(self._token, b"caller", theirs, ours)):
+            return False
+        writer.write(ACCEPTED)
+        return True
 
     async def stop(self, grace_s: float) -> None:
         """No new connections; calls running get `grace_s` to answer, then are cancelled."""
@@ -129,13 +146,27 @@ class LinkServer:
             await asyncio.wait_for(self._server.wait_closed(), 1.0)
 
 
-async def _token(reader: asyncio.StreamReader) -> bytes | None:
-    """The token a connection opens with; None if it does not open as a link does."""
-    magic, size = await reader.readexactly(4), await reader.readexactly(4)
-    length = int.from_bytes(size, "little")
-    if magic != HELLO or length > MAX_TOKEN_BYTES:
+def _mac(token: bytes, role: bytes, caller_nonce: bytes, replica_nonce: bytes) -> bytes:
+    return hmac.new(token, role + caller_nonce + replica_nonce, hashlib.sha256).digest()
+
+
+def tls_contexts() -> tuple[ssl.SSLContext, ssl.SSLContext] | None:
+    """(server, client) contexts from Ray's TLS settings, where Ray's TLS is on: each end
+    shows the node's certificate and checks the other's against Ray's CA (Ray's own gRPC
+    does the same); None where it is off."""
+    if os.environ.get("RAY_USE_TLS", "0").lower() not in ("1", "true"):
         return None
-    return await reader.readexactly(length)
+    cert, key = os.environ["RAY_TLS_SERVER_CERT"], os.environ["RAY_TLS_SERVER_KEY"]
+    ca = os.environ["RAY_TLS_CA_CERT"]
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.check_hostname = False  # node certificates name nodes, not stage ports
+    for context in (server, client):
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(cert, key)
+        context.load_verify_locations(ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return server, client
 
 
 async def _answer(running: Awaitable[bytes], call_id: int, writer: asyncio.StreamWriter) -> None:
@@ -155,8 +186,8 @@ class Link:
     """Calls to one LinkServer at `address` ("host:port") on one connection, made at the
     first call; `call` raises LinkDown where the connection fails before the answer."""
 
-    def __init__(self, address: str, token: bytes) -> None:
-        self.address, self._token = address, token
+    def __init__(self, address: str, token: bytes, tls: ssl.SSLContext | None = None) -> None:
+        self.address, self._token, self._tls = address, token, tls
         self._ids = itertools.count()
         self._answers: dict[int, asyncio.Future[bytes]] = {}
         self._writer: asyncio.StreamWriter | None = None
@@ -193,14 +224,12 @@ class Link:
             unreachable = f"cannot reach the stage port {self.address}"
             try:  # a host gone answers nothing: the kernel would retry for minutes
                 reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(host, int(port)), HELLO_TIMEOUT_S
+                    asyncio.open_connection(host, int(port), ssl=self._tls), HELLO_TIMEOUT_S
                 )
             except (OSError, asyncio.TimeoutError) as exc:
                 raise LinkDown(f"{unreachable}: {exc!r}") from exc
             try:
-                writer.write(HELLO + len(self._token).to_bytes(4, "little") + self._token)
-                reply = await asyncio.wait_for(reader.readexactly(1), HELLO_TIMEOUT_S)
-                accepted = reply == ACCEPTED
+                accepted = await asyncio.wait_for(self._handshake(reader, writer), HELLO_TIMEOUT_S)
             except BaseException as exc:  # cancelled too: the socket is not left open
                 writer.close()
                 if isinstance(exc, OSError | asyncio.IncompleteReadError | asyncio.TimeoutError):
@@ -210,11 +239,24 @@ class Link:
                 writer.close()
                 if self._closed:  # closed while connecting
                     raise LinkDown(f"the link to {self.address} is closed")
-                raise LinkDown(f"the stage port {self.address} refused this app's stage token")
+                raise LinkDown(
+                    f"the stage port {self.address} did not prove this app's stage token, "
+                    "or refused this caller's proof"
+                )
             _watch_peer(writer)
             self._writer = writer
             self._reading = asyncio.ensure_future(self._read(reader))
             return writer
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        ours = secrets.token_bytes(NONCE_BYTES)
+        writer.write(HELLO + ours)
+        reply = await reader.readexactly(NONCE_BYTES + MAC_BYTES)
+        theirs, proof = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
+        if not hmac.compare_digest(proof, _mac(self._token, b"replica", ours, theirs)):
+            return False  # not sent our proof: a stranger gets nothing it can use
+        writer.write(_mac(self._token, b"caller", ours, theirs))
+        return await reader.readexactly(1) == ACCEPTED
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         """Hands each answer to its call; fails every call waiting once the connection ends."""

@@ -19,10 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from serve_app.core.messages import Batch
 
-# reduce_tensor's arguments for a CUDA tensor (torch.multiprocessing.reductions): the
-# device's index in the producer's process, which the consumer's numbering
-# (CUDA_VISIBLE_DEVICES) may not share; the storage's class; its reference counter.
-_DEVICE_ARG, _STORAGE_CLASS_ARG, _COUNTER_ARGS = 6, 4, slice(11, 13)
+_DTYPES = ("uint8", "float16", "float32")  # what crops on the GPU are
 
 
 class CropsNotHere(Exception):
@@ -33,35 +30,48 @@ def is_cuda_tensor(obj: object) -> bool:
     return getattr(obj, "is_cuda", False) is True
 
 
-def reduce(tensor) -> tuple:
-    """The pickle reduction of a CUDA tensor: its IPC handle, and its GPU's UUID."""
+def handle(tensor) -> tuple:
+    """A CUDA tensor as plain data: its GPU's UUID and the fields of its IPC handle (the
+    arguments of torch's `rebuild_cuda_tensor` that are data, not classes)."""
     import torch
-    from torch.multiprocessing.reductions import reduce_tensor
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
     rebuild, args = reduce_tensor(tensor)
-    return _rebuild, (str(torch.cuda.get_device_properties(tensor.device).uuid), rebuild, args)
+    if rebuild is not rebuild_cuda_tensor or len(args) != 15:
+        raise TypeError(f"torch reduces this CUDA tensor with {rebuild.__name__}, unexpected")
+    (_, size, stride, offset, _, dtype, _, *storage) = args
+    uuid = str(torch.cuda.get_device_properties(tensor.device).uuid)
+    return (uuid, tuple(size), tuple(stride), offset, str(dtype).removeprefix("torch."), *storage)
 
 
-def _rebuild(uuid: str, rebuild, args: tuple):
-    """The tensor, opened on this process' index of its GPU; CropsNotHere where it cannot
-    be opened here (the caller then sends its bytes). A handle not opened still counts as
-    held by this process: released here, or the caller's memory would never be freed."""
+def open_handle(fields: tuple):
+    """The tensor of `handle`'s fields, opened on this process' index of its GPU;
+    CropsNotHere where it cannot be opened here (the caller then sends its bytes). A
+    handle not opened still counts as held by this process: released here, or the
+    caller's memory would never be freed."""
+    import torch
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    uuid, size, stride, offset, dtype, *storage = fields
+    (handle_bytes, size_bytes, offset_bytes, _grad, counter, counter_offset, event, sync) = storage
+    if dtype not in _DTYPES or not isinstance(handle_bytes, bytes):
+        raise CropsNotHere(f"not crops: a tensor of {str(dtype)[:20]!r}")
     index = _visible_index(uuid)
     try:
         if index is None:
-            raise CropsNotHere(f"GPU {uuid} is not visible to this replica")
-        return rebuild(*args[:_DEVICE_ARG], index, *args[_DEVICE_ARG + 1 :])
+            raise CropsNotHere(f"GPU {str(uuid)[:64]} is not visible to this replica")
+        return rebuild_cuda_tensor(
+            torch.Tensor, torch.Size(size), tuple(stride), int(offset),
+            torch.storage.TypedStorage, getattr(torch, dtype), index,
+            handle_bytes, int(size_bytes), int(offset_bytes), False,
+            counter, int(counter_offset), event, bool(sync),
+        )  # fmt: skip
     except Exception as exc:
-        _release(args)
+        with contextlib.suppress(Exception):  # on another node or without CUDA: nothing
+            torch.storage.TypedStorage._release_ipc_counter(counter, counter_offset)
         if isinstance(exc, CropsNotHere):
             raise
-        raise CropsNotHere(f"cannot open crops of GPU {uuid}: {exc}") from exc
-
-
-def _release(args: tuple) -> None:
-    # on another node, or without CUDA here, there is nothing this process can release
-    with contextlib.suppress(Exception):
-        args[_STORAGE_CLASS_ARG]._release_ipc_counter(*args[_COUNTER_ARGS])
+        raise CropsNotHere(f"cannot open crops of GPU {str(uuid)[:64]}: {exc}") from exc
 
 
 def _visible_index(uuid: str) -> int | None:

@@ -3,18 +3,19 @@ Serve's handles.
 
 A Serve handle call costs its two processes about twice a plain Ray actor call, and about
 2.5 times the same bytes sent over a grpc.aio channel between the same two replicas, which
-costs several times a call over raystream's own framed link (serve_app/transport/call_link.py;
-`python
-bench/call_cost.py` measures all four). The stages' calls carry whole micro-batches, but at
-small batches (one-image requests, low load) those costs are a large part of an image's CPU
-and latency. So, with `stage_calls: port`, each stage replica also serves its `run` on a
-port of its own (StagePort) and reports the address with its models in the registry
-(serve_app/models/registry.py); a caller (PortCalls) sends each batch, pickled, to the least busy
-replica of the next deployment among those that report holding the batch's model version
-(by the images each holds for all its callers where they are all on the caller's node:
-serve_app/transport/load_board.py), the images in it through shared memory where that replica is on
-the caller's node (serve_app/transport/shared_images.py). A replica that
-has started since a version was loaded, and loads it still, then takes no request for it.
+costs several times a call over raystream's own framed link
+(serve_app/transport/call_link.py; `python bench/call_cost.py` measures all four). The
+stages' calls carry whole micro-batches, but at small batches (one-image requests, low
+load) those costs are a large part of an image's CPU and latency. So, with `stage_calls:
+port`, each stage replica also serves its `run` on a port of its own (StagePort) and
+reports the address with its models in the registry (serve_app/models/registry.py); a
+caller (PortCalls) sends each batch (as bytes of serve_app/transport/codec.py, never a
+pickle) to the least busy replica of the next deployment among those that report holding
+the batch's model version (by the images each holds for all its callers where they are all
+on the caller's node: serve_app/transport/load_board.py), the images in it through shared
+memory where that replica is on the caller's node (serve_app/transport/shared_images.py). A
+replica that has started since a version was loaded, and loads it still, then takes no
+request for it.
 
 Serve still places, starts, scales, stops and health-checks the replicas; the handles still
 carry everything else (what is served, model lifecycle). A call goes by handle when
@@ -23,17 +24,17 @@ the caller knows no address yet, and again by handle when the port fails before 
 side effects, so a batch run twice is harmless. Calls over the port are not Serve requests:
 Serve's `max_ongoing_requests` does not bound them (the ingress' micro-batcher bounds its
 calls in flight, serve_app/core/dispatch.py), and Serve's autoscaler sees them only through
-raystream's policy (serve_app/pipeline/autoscaling.py), to which every replica reports the port's
-calls in its own stages. The port binds the node's address that Ray uses; it serves only
-connections that open with the application's stage token (a random secret that build_app
-gives every replica), and reads no call of a connection before checking it.
+raystream's policy (serve_app/pipeline/autoscaling.py), to which every replica reports the
+port's calls in its own stages. The port binds the node's address that Ray uses; both ends of
+a connection prove that they hold the application's stage token (a random secret that
+build_app gives every replica) without sending it, and the replica reads no call before
+(serve_app/transport/call_link.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import pickle
 import random
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
@@ -41,11 +42,10 @@ from typing import Any
 from serve_app.core.messages import Batch
 from serve_app.errors import Code, cancelled_itself, code_for
 from serve_app.models.registry import ModelRegistry
-from serve_app.transport import device_crops
-from serve_app.transport.call_link import Link, LinkDown, LinkServer
+from serve_app.transport import codec, device_crops
+from serve_app.transport.call_link import Link, LinkDown, LinkServer, tls_contexts
 from serve_app.transport.load_board import LoadBoard, LoadSlot
 from serve_app.transport.shared_images import ImageReader, ImageWriter, SharedImagesMissing
-from serve_app.wire import request_images
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,8 @@ class StagePort:
         self.calls = 0  # calls answered (tests: the port, not the handle, carried them)
 
     async def start(self, host: str) -> str:
-        self._server = LinkServer(self._call, self._token)
+        tls = tls_contexts()
+        self._server = LinkServer(self._call, self._token, tls[0] if tls else None)
         try:
             port = await self._server.start(host)
         except OSError as exc:
@@ -102,14 +103,17 @@ class StagePort:
             reply = (False, exc.with_traceback(None))
         self.calls += 1
         try:
-            return pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:  # an exception that does not pickle: its text does
-            return pickle.dumps((False, RuntimeError(f"{type(reply[1]).__name__}: {exc}")))
+            return codec.dumps(reply)
+        except Exception as exc:  # a bug: a result the codec does not carry
+            logger.exception("a stage call's answer cannot be sent")
+            return codec.dumps((False, exc.with_traceback(None)))
 
     def _batch_of(self, request: bytes) -> Batch:
-        batch = pickle.loads(request)
-        if isinstance(batch, tuple):  # (batch, SharedImages): its images in shared memory
+        batch = codec.loads(request)
+        if isinstance(batch, tuple) and len(batch) == 2:  # its images in shared memory
             batch = self._images.restore(*batch)
+        if not isinstance(batch, Batch):
+            raise codec.CodecError(f"a stage call of a {type(batch).__name__}, not a Batch")
         return batch
 
     async def stop(self, grace_s: float) -> None:
@@ -143,6 +147,8 @@ class PortCalls:
         self._unshared: set[str] = set()  # addresses that could not map this node's memory
         self._crops_as_bytes: set[str] = set()  # addresses that could not open our GPU's
         self._links: dict[str, Link] = {}
+        tls = tls_contexts()
+        self._tls = tls[1] if tls else None
         self._in_flight: dict[str, int] = {}  # address -> this caller's images in its calls
         self._board = LoadBoard()  # the images each replica on this node holds
         self._holds: Mapping[str, Collection[str]] = {}  # address -> model versions held
@@ -275,7 +281,7 @@ class PortCalls:
         self._board.close()
         addresses = set(ports)
         for address in addresses - self._links.keys():
-            self._links[address] = Link(address, self._token)
+            self._links[address] = Link(address, self._token, self._tls)
             self._in_flight[address] = 0
         for address in self._links.keys() - addresses:
             self._drop(address)
@@ -313,5 +319,5 @@ class PortCalls:
 
 
 async def _send(link: Link, message: Batch | tuple, images: int) -> tuple[bool, Any]:
-    request = request_images.dumps(message)
-    return pickle.loads(await link.call(request, images))
+    ok, value = codec.loads(await link.call(codec.dumps(message), images))
+    return ok, list(value) if ok and isinstance(value, tuple) else value

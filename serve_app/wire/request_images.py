@@ -12,17 +12,13 @@ a few hundred bytes.
 `ImageSpans` reads as the tuple of bytes it replaces: indexing or iterating gives each image
 as bytes (a copy, where a decoder needs one). `buffers` gives views instead (the copy into
 shared memory, the result cache's hash), and `pick` some of the images still as spans (the
-cache's misses). Pickled, for a stage call that carries its images, it becomes that tuple;
-`dumps` writes each image into the pickle straight from the message.
+cache's misses). A stage call over a port packs each image straight from the message
+(serve_app/transport/codec.py); one through a Serve handle pickles it as that tuple.
 """
 
 from __future__ import annotations
 
-import io
-import pickle
 from collections.abc import Iterator, Sequence
-
-from serve_app.transport import device_crops
 
 LENGTH_DELIMITED = 2
 _FIXED = {1: 8, 5: 4}  # wire type: bytes (64-bit, 32-bit)
@@ -65,35 +61,12 @@ class ImageSpans(Sequence[bytes]):
     def __repr__(self) -> str:
         return f"ImageSpans({len(self)} images, {len(self._message)} bytes of message)"
 
-    def __reduce__(self):
-        # A plain tuple on the other side: a stage replica of another raystream version
-        # (during a rolling update) reads it too.
+    def __reduce__(self):  # through a Serve handle: a plain tuple on the other side
         return tuple, (tuple(self),)
 
     def views(self) -> list[memoryview]:
         message = memoryview(self._message)
         return [message[start:end] for start, end in self._spans]
-
-
-class _InBandPickler(pickle.Pickler):
-    def reducer_override(self, obj):
-        if type(obj) is ImageSpans:
-            # In band, a PickleBuffer is written as bytes and read back as bytes: the same
-            # tuple on the other side, without a copy of each image made first.
-            return tuple, ([pickle.PickleBuffer(view) for view in obj.views()],)
-        if device_crops.is_cuda_tensor(obj):  # crops on the GPU: a CUDA IPC handle
-            return device_crops.reduce(obj)
-        return NotImplemented
-
-
-def dumps(obj: object) -> bytes:
-    """pickle.dumps for a message sent as these bytes (a stage call over a port), which
-    neither copies each image out of its message first nor holds that second copy while it
-    pickles. Not for Ray's serializer, which takes PickleBuffers out of band and would hand
-    the callee memoryviews."""
-    out = io.BytesIO()
-    _InBandPickler(out, pickle.HIGHEST_PROTOCOL).dump(obj)
-    return out.getvalue()
 
 
 def pick(images: Sequence[bytes], positions: Sequence[int]) -> Sequence[bytes]:

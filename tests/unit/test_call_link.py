@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from certificates import issue_certificate, write_pem
+from support import until
 
+from serve_app.transport import call_link
 from serve_app.transport.call_link import Link, LinkDown, LinkServer
 
 TOKEN = b"app secret"
@@ -195,7 +198,10 @@ async def test_a_peer_that_stops_reading_fails_the_call_after_the_user_timeout(
 
     async def hung(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         held.append(writer)
-        await reader.readexactly(len(call_link.HELLO) + 4 + len(TOKEN))
+        hello = await reader.readexactly(len(call_link.HELLO) + call_link.NONCE_BYTES)
+        theirs, ours = hello[len(call_link.HELLO) :], bytes(call_link.NONCE_BYTES)
+        writer.write(ours + call_link._mac(TOKEN, b"replica", theirs, ours))
+        await reader.readexactly(call_link.MAC_BYTES)
         writer.write(call_link.ACCEPTED)
         await asyncio.sleep(30)  # reads nothing more: its receive window fills
 
@@ -208,3 +214,105 @@ async def test_a_peer_that_stops_reading_fails_the_call_after_the_user_timeout(
     for writer in held:
         writer.close()
     peer.close()
+
+
+async def test_a_listener_at_a_stale_address_learns_nothing_it_can_use() -> None:
+    """Whoever binds the address of a replica that is gone gets the caller's nonce alone:
+    the caller waits for a proof of the token before it sends anything else, and a stranger
+    cannot make one (here it answers a MAC under another token, then call bytes)."""
+    received = bytearray()
+
+    async def impostor(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        received.extend(await reader.readexactly(len(call_link.HELLO) + call_link.NONCE_BYTES))
+        ours = bytes(call_link.NONCE_BYTES)
+        writer.write(ours + call_link._mac(b"a guess", b"replica", received[4:], ours))
+        writer.write(call_link.ACCEPTED + call_link.ANSWER.pack(0, 5) + b"bytes")
+        received.extend(await reader.read())  # whatever the caller sends before it closes
+
+    listener = await asyncio.start_server(impostor, "127.0.0.1", 0)
+    link = Link(f"127.0.0.1:{listener.sockets[0].getsockname()[1]}", TOKEN)
+    with pytest.raises(LinkDown, match="did not prove"):
+        await link.call(b"a batch's bytes")
+    assert len(received) == len(call_link.HELLO) + call_link.NONCE_BYTES
+    assert TOKEN not in received and b"a batch" not in received
+    listener.close()
+
+
+async def test_a_replayed_proof_is_refused_before_any_call_is_read() -> None:
+    """A caller's proof covers the replica's fresh nonce: replayed on a new connection (same
+    caller nonce), it is refused, and the call behind it never reaches the handler."""
+    seen = []
+
+    async def handler(request: bytes, images: int) -> bytes:
+        seen.append(request)
+        return b"ok"
+
+    server, address = await _server(handler)
+    host, port = address.rsplit(":", 1)
+    nonce = bytes(range(call_link.NONCE_BYTES))
+
+    async def handshake(proof: bytes | None) -> bytes:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(call_link.HELLO + nonce)
+        reply = await reader.readexactly(call_link.NONCE_BYTES + call_link.MAC_BYTES)
+        theirs = reply[: call_link.NONCE_BYTES]
+        proof = proof or call_link._mac(TOKEN, b"caller", nonce, theirs)
+        writer.write(proof + call_link.CALL.pack(0, 1, 4) + b"call")
+        answer = await reader.read(1)
+        writer.close()
+        return proof if answer == call_link.ACCEPTED else b""
+
+    recorded = await handshake(None)
+    assert recorded  # the genuine proof was accepted
+    assert await handshake(recorded) == b""  # replayed: closed, nothing accepted
+    await until(lambda: len(seen) == 1)
+    assert seen == [b"call"]  # the genuine connection's call only
+    await server.stop(0)
+
+
+async def test_with_rays_tls_on_a_tap_on_the_link_sees_no_bytes_in_clear(
+    tmp_path, monkeypatch
+) -> None:
+    """With Ray's TLS settings, each end shows its certificate and checks the other's
+    against Ray's CA: a tap between them sees neither the token's proof inputs nor the
+    call and answer in clear, and a peer without a certificate of that CA gets nothing."""
+    ca_key, ca = issue_certificate("ray ca", ca=True)
+    node_key, node = issue_certificate("node", ca_key, ca.subject, ca=False)
+    key_path, cert_path = write_pem(tmp_path / "node", node_key, node)
+    _, ca_path = write_pem(tmp_path / "ca", ca_key, ca)
+    monkeypatch.setenv("RAY_USE_TLS", "1")
+    monkeypatch.setenv("RAY_TLS_SERVER_CERT", str(cert_path))
+    monkeypatch.setenv("RAY_TLS_SERVER_KEY", str(key_path))
+    monkeypatch.setenv("RAY_TLS_CA_CERT", str(ca_path))
+    server_tls, client_tls = call_link.tls_contexts()
+
+    async def handler(request: bytes, images: int) -> bytes:
+        return request + b" labelled Egyptian cat"
+
+    server = LinkServer(handler, TOKEN, server_tls)
+    port = await server.start("127.0.0.1")
+    seen = bytearray()
+
+    async def tap(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", port)
+
+        async def pipe(source, sink) -> None:
+            while data := await source.read(65536):
+                seen.extend(data)
+                sink.write(data)
+            sink.close()
+
+        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+
+    relay = await asyncio.start_server(tap, "127.0.0.1", 0)
+    address = f"127.0.0.1:{relay.sockets[0].getsockname()[1]}"
+    link = Link(address, TOKEN, client_tls)
+    photo = b"\xff\xd8 a photo's bytes " * 100
+    assert await link.call(photo) == photo + b" labelled Egyptian cat"
+    assert seen and b"a photo's bytes" not in seen and b"Egyptian cat" not in seen
+    assert call_link.HELLO not in seen  # the handshake runs inside TLS too
+    await link.close()
+    with pytest.raises(LinkDown):  # no certificate of Ray's CA: no connection
+        await Link(address, TOKEN).call(b"x")
+    relay.close()
+    await server.stop(0)

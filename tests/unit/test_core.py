@@ -10,6 +10,7 @@ import asyncio
 import pytest
 from ray.exceptions import ActorDiedError
 from ray.serve.exceptions import RayServeException
+from support import until
 
 from raystream.v1 import classifier_pb2 as pb
 from serve_app.config import STAGES, AppConfig, EngineConfig
@@ -34,12 +35,6 @@ class Chain:
         for group in self.groups:
             batch = await group.run(batch)
         return batch
-
-
-async def _until(condition) -> None:
-    async with asyncio.timeout(10):
-        while not condition():
-            await asyncio.sleep(0.001)
 
 
 @pytest.fixture
@@ -69,7 +64,7 @@ def _response(answer: Answer) -> pb.ClassifyResponse:
 async def test_requests_queued_behind_a_call_go_together_in_the_next(core, photos) -> None:
     core, chain = core
     first = _submit(core, Job(id="first", images=(photos["chelsea"],), top_k=1))
-    await _until(lambda: chain.calls == [1])  # the first call runs, held at its gate
+    await until(lambda: chain.calls == [1])  # the first call runs, held at its gate
     queued = [
         _submit(core, Job(id="coffee", images=(photos["coffee"],), top_k=2)),
         _submit(core, Job(id="mixed", images=(b"junk", photos["rocket"]), top_k=2)),
@@ -103,7 +98,7 @@ async def test_past_the_in_flight_limit_requests_are_refused_at_once(core, photo
 async def test_an_abandoned_request_is_not_sent(core, photos) -> None:
     core, chain = core
     first = _submit(core, Job(id="first", images=(photos["chelsea"],)))
-    await _until(lambda: chain.calls == [1])
+    await until(lambda: chain.calls == [1])
     answered = []
     gone = core.submit(Job(id="gone", images=(photos["coffee"],)), answered.append, "s")
     kept = _submit(core, Job(id="kept", images=(photos["coffee"],)))
@@ -197,7 +192,7 @@ async def test_a_core_call_cancelled_itself_answers_its_requests(core, photos) -
     """The replica stopping cancels the core's calls: their requests are answered still."""
     core, chain = core  # the first call waits for the chain's gate
     answer = _submit(core, Job(id="cat", images=(photos["chelsea"],)))
-    await _until(lambda: chain.calls)
+    await until(lambda: chain.calls)
     for task in core._dispatcher("")._tasks:
         task.cancel()
     assert (await asyncio.wait_for(answer, 10)).code == UNAVAILABLE
@@ -221,10 +216,10 @@ async def test_a_burst_goes_in_calls_over_the_free_slots(
     core = ServingCore(config, chain.served, chain)
     two = (photos["coffee"], photos["chelsea"])
     first = _submit(core, Job(id="first", images=two))
-    await _until(lambda: chain.calls == [1])  # held at the gate
+    await until(lambda: chain.calls == [1])  # held at the gate
     await asyncio.sleep(0.11)  # a whole window of arrivals: more are expected now
     burst = [_submit(core, Job(id=f"b{i}", images=two)) for i in range(4)]
-    await _until(lambda: len(chain.calls) == len(calls))
+    await until(lambda: len(chain.calls) == len(calls))
     chain.gate.set()
     answers = await asyncio.gather(first, *burst)
     assert chain.calls == calls

@@ -8,6 +8,7 @@ import asyncio
 import threading
 
 import pytest
+from support import until
 
 from engines.images import InvalidImage
 from serve_app.stages.decode_pool import HEAVY_PIXELS, DecodePool
@@ -36,12 +37,6 @@ class Images:
         return data.decode().upper()
 
 
-async def _until(condition, timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.005)
-
-
 async def test_a_stream_with_one_photo_does_not_wait_for_another_streams_queue() -> None:
     """One thread; stream a queued five images first, stream b one photo after them. Taken
     in arrival order (a plain thread pool), b's photo would come sixth; in turn, second."""
@@ -49,7 +44,7 @@ async def test_a_stream_with_one_photo_does_not_wait_for_another_streams_queue()
     images = Images({**dict.fromkeys(names, 10), b"b0": 10})
     pool = DecodePool(1, images.cost, images.decode, max_request_pixels=10**9)
     a = asyncio.ensure_future(pool.run(names, flow="a"))
-    await _until(lambda: images.started == [b"a0"])
+    await until(lambda: images.started == [b"a0"])
     b = asyncio.ensure_future(pool.run([b"b0"], flow="b"))
     await asyncio.sleep(0.05)
     for gate in images.gates.values():
@@ -66,7 +61,7 @@ async def test_heavy_images_leave_one_thread_for_cheap_ones() -> None:
     images = Images({**dict.fromkeys(heavy, HEAVY), b"photo": 10})
     pool = DecodePool(2, images.cost, images.decode, max_request_pixels=10**10)
     attack = asyncio.ensure_future(pool.run(heavy, flow="attacker"))
-    await _until(lambda: images.started == [b"h0"])
+    await until(lambda: images.started == [b"h0"])
     images.gates[b"photo"].set()
     assert await asyncio.wait_for(pool.run([b"photo"], flow="user"), 5) == ["PHOTO"]
     assert images.started == [b"h0", b"photo"]  # h1..h3 wait for h0's heavy slot
@@ -91,7 +86,7 @@ async def test_a_cancelled_request_skips_its_remaining_images() -> None:
     images = Images(dict.fromkeys([*names, b"next"], 10))
     pool = DecodePool(1, images.cost, images.decode, max_request_pixels=10**9)
     task = asyncio.ensure_future(pool.run(names, flow="a"))
-    await _until(lambda: images.started == [b"a0"])
+    await until(lambda: images.started == [b"a0"])
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

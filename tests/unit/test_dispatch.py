@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import dataclass
 
 import pytest
+from support import until
 
 
 @dataclass(eq=False)
@@ -39,12 +40,6 @@ async def _finish(calls: Calls, dispatcher) -> None:
             await asyncio.sleep(0.001)
 
 
-async def _until(condition) -> None:
-    async with asyncio.timeout(5):
-        while not condition():
-            await asyncio.sleep(0.001)
-
-
 async def test_a_call_takes_what_queued_while_the_calls_were_busy() -> None:
     from serve_app.core.dispatch import Dispatcher
 
@@ -52,11 +47,11 @@ async def test_a_call_takes_what_queued_while_the_calls_were_busy() -> None:
     dispatcher = Dispatcher(calls, max_per_call=2, max_calls=1, spill_after_s=60)
     for name in "abcd":
         dispatcher.submit(Item(name))
-    await _until(lambda: calls.sent == [["a"]])
+    await until(lambda: calls.sent == [["a"]])
     calls.gates[0].set()
-    await _until(lambda: len(calls.sent) == 2)
+    await until(lambda: len(calls.sent) == 2)
     calls.gates[1].set()
-    await _until(lambda: len(calls.sent) == 3)
+    await until(lambda: len(calls.sent) == 3)
     calls.gates[2].set()
     assert calls.sent == [["a"], ["b", "c"], ["d"]]  # at most max_per_call each
 
@@ -69,9 +64,9 @@ async def test_a_request_behind_stuck_calls_spills_into_a_call_of_its_own() -> N
     calls = Calls()
     dispatcher = Dispatcher(calls, max_per_call=8, max_calls=1, spill_after_s=0.01)
     dispatcher.submit(Item("slow"))
-    await _until(lambda: len(calls.sent) == 1)
+    await until(lambda: len(calls.sent) == 1)
     dispatcher.submit(Item("quick"))
-    await _until(lambda: len(calls.sent) == 2)
+    await until(lambda: len(calls.sent) == 2)
     assert calls.sent == [["slow"], ["quick"]] and not calls.gates[0].is_set()
     for gate in calls.gates:
         gate.set()
@@ -87,7 +82,7 @@ async def test_a_backlog_s_calls_take_the_streams_in_turn() -> None:
         calls, max_per_call=4, max_calls=1, spill_after_s=60, flow=lambda item: item.name[0]
     )
     dispatcher.submit(Item("a0"))  # the call in flight
-    await _until(lambda: len(calls.sent) == 1)
+    await until(lambda: len(calls.sent) == 1)
     for i in range(1, 9):
         dispatcher.submit(Item(f"a{i}"))
         dispatcher.submit(Item(f"b{i}"))
@@ -96,11 +91,11 @@ async def test_a_backlog_s_calls_take_the_streams_in_turn() -> None:
     done = Item("a9", done=True)  # answered (its deadline) while queued: dropped
     dispatcher.submit(done)
     calls.gates[0].set()
-    await _until(lambda: len(calls.sent) == 2)
+    await until(lambda: len(calls.sent) == 2)
     assert calls.sent[1] == ["a1", "b1", "a2", "v"]
     for n in range(2, 6):
         calls.gates[n - 1].set()
-        await _until(lambda n=n: len(calls.sent) == n + 1 or not dispatcher._queue)
+        await until(lambda n=n: len(calls.sent) == n + 1 or not dispatcher._queue)
     sent = [name for call in calls.sent for name in call]
     assert sorted(sent) == sorted(["a0", *(f"{c}{i}" for c in "ab" for i in range(1, 9)), "v"])
     assert "a9" not in sent and len(sent) == len(set(sent))  # each sent once
@@ -117,14 +112,14 @@ async def test_more_streams_than_a_call_takes_each_get_their_turn() -> None:
         calls, max_per_call=2, max_calls=1, spill_after_s=60, flow=lambda item: item.name[0]
     )
     dispatcher.submit(Item("x"))  # the call in flight
-    await _until(lambda: len(calls.sent) == 1)
+    await until(lambda: len(calls.sent) == 1)
     for i in range(5):
         for flow in "abc":
             dispatcher.submit(Item(f"{flow}{i}"))
     dispatcher.submit(Item("v"))
     for n in range(1, 3):
         calls.gates[n - 1].set()
-        await _until(lambda n=n: len(calls.sent) == n + 1)
+        await until(lambda n=n: len(calls.sent) == n + 1)
     assert calls.sent[1:] == [["a0", "b0"], ["c0", "v"]]
     await _finish(calls, dispatcher)
 
@@ -138,12 +133,12 @@ async def test_a_call_carries_at_most_max_images_past_its_first_item() -> None:
         images=lambda item: item.images,
     )  # fmt: skip
     dispatcher.submit(Item("big", images=20))  # alone over the bound: it still goes
-    await _until(lambda: len(calls.sent) == 1)
+    await until(lambda: len(calls.sent) == 1)
     for name in "abc":
         dispatcher.submit(Item(name, images=4))
     for n in range(1, 3):
         calls.gates[n - 1].set()
-        await _until(lambda n=n: len(calls.sent) == n + 1)
+        await until(lambda n=n: len(calls.sent) == n + 1)
     assert calls.sent == [["big"], ["a", "b"], ["c"]]
     await _finish(calls, dispatcher)
 
@@ -158,9 +153,9 @@ async def test_answered_items_are_not_sent() -> None:
     dispatcher.submit(expired)
     dispatcher.submit(Item("b"))
     expired.done = True  # its deadline answered it while queued
-    await _until(lambda: len(calls.sent) == 1)
+    await until(lambda: len(calls.sent) == 1)
     calls.gates[0].set()
-    await _until(lambda: len(calls.sent) == 2)
+    await until(lambda: len(calls.sent) == 2)
     calls.gates[1].set()
     assert calls.sent == [["a"], ["b"]]
 
@@ -185,7 +180,7 @@ async def test_a_free_slot_gathers_while_calls_run_and_requests_come_fast(monkey
     dispatcher.submit(Item("c"))
     await asyncio.sleep(0.02)
     assert calls.sent == [["a"]]
-    await _until(lambda: len(calls.sent) == 2)
+    await until(lambda: len(calls.sent) == 2)
     assert calls.sent == [["a"], ["b", "c"]]
     for gate in calls.gates:
         gate.set()
@@ -198,7 +193,7 @@ async def test_a_lone_request_goes_at_once_when_requests_come_slowly(monkeypatch
     dispatcher = Dispatcher(calls, max_per_call=8, max_calls=2, gather_s=0.01, spill_after_s=60)
     await _burst_after_a_call(dispatcher, monkeypatch)
     dispatcher.submit(Item("b"))  # 17/s x 0.01 s: nothing more expected meanwhile
-    await _until(lambda: len(calls.sent) == 2)
+    await until(lambda: len(calls.sent) == 2)
     assert calls.sent == [["a"], ["b"]]
     for gate in calls.gates:
         gate.set()
@@ -212,7 +207,7 @@ async def test_a_full_call_goes_at_once_while_gathering(monkeypatch) -> None:
     await _burst_after_a_call(dispatcher, monkeypatch)
     dispatcher.submit(Item("b"))
     dispatcher.submit(Item("c"))  # max_per_call reached: no reason to wait
-    await _until(lambda: len(calls.sent) == 2)
+    await until(lambda: len(calls.sent) == 2)
     assert calls.sent == [["a"], ["b", "c"]]
     for gate in calls.gates:
         gate.set()
@@ -239,7 +234,7 @@ async def _gathered_burst(dispatcher, calls: Calls, monkeypatch, sizes: list[int
     await _burst_after_a_call(dispatcher, monkeypatch)
     for number, size in enumerate(sizes):
         dispatcher.submit(Item(f"i{number}", images=size))
-    await _until(lambda: len(calls.sent) > 1)
+    await until(lambda: len(calls.sent) > 1)
     await asyncio.sleep(0.02)
     sent = list(calls.sent)
     calls.gates[0].set()  # a slot frees while the burst's calls run: nothing is sent twice

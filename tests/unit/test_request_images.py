@@ -16,9 +16,8 @@ from raystream.v1 import classifier_pb2 as pb
 from serve_app.core.messages import Batch, Job
 from serve_app.protocol import v1
 from serve_app.protocol.v1 import IMAGES_FIELD
-from serve_app.transport import shared_images
+from serve_app.transport import codec, shared_images
 from serve_app.transport.shared_images import ImageReader, ImageWriter
-from serve_app.wire import request_images
 from serve_app.wire.request_images import ImageSpans, buffers, pick, split_images
 
 requests = st.builds(
@@ -108,10 +107,12 @@ def test_spans_read_as_a_tuple_of_bytes() -> None:
     assert pick((b"x", b"y", b"z"), [1]) == (b"y",)
 
 
-@pytest.mark.parametrize("dumps", [pickle.dumps, request_images.dumps])
-def test_a_job_with_spans_travels_as_a_tuple_of_its_images(dumps) -> None:
-    # A stage replica of any raystream version reads it (a rolling update mixes versions),
-    # pickled by Ray's serializer or, for a call over a stage port, by request_images.dumps.
+@pytest.mark.parametrize(
+    ("dumps", "loads"), [(pickle.dumps, pickle.loads), (codec.dumps, codec.loads)]
+)
+def test_a_job_with_spans_travels_as_a_tuple_of_its_images(dumps, loads) -> None:
+    # Pickled by Ray's serializer for a Serve handle call, or packed by the stage ports'
+    # codec: the images as a tuple of bytes either way, each written once.
     photos = [bytes(range(256)) * 300, b"\xff\xd8" * 5000]
     message = pb.ClassifyRequest(request_id="r", images=photos).SerializeToString()
     _, images = split_images(message, IMAGES_FIELD)
@@ -121,7 +122,7 @@ def test_a_job_with_spans_travels_as_a_tuple_of_its_images(dumps) -> None:
     pickled = dumps(Batch(jobs=(job, other)))
     assert b"request_images" not in pickled
     assert len(pickled) < sum(map(len, photos)) + 2000  # each image written once
-    jobs = pickle.loads(pickled).jobs
+    jobs = loads(pickled).jobs
     assert jobs[0].images == tuple(photos)
     assert type(jobs[0].images) is tuple
     assert all(type(image) is bytes for image in jobs[0].images)

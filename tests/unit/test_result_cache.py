@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from support import until
 
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.v1 import classifier_pb2 as pb
@@ -92,12 +93,6 @@ def _results(answer: Answer) -> bytes:
     response = pb.ClassifyResponse.FromString(answer.payload)
     response.ClearField("timing")
     return response.SerializeToString()
-
-
-async def _until(condition) -> None:
-    async with asyncio.timeout(10):
-        while not condition():
-            await asyncio.sleep(0.001)
 
 
 # -- the LRU and the keys ----------------------------------------------------------------------
@@ -246,7 +241,7 @@ async def test_identical_images_in_flight_make_one_engine_pass(cached, photos) -
     cat, coffee, rocket = photos["chelsea"], photos["coffee"], photos["rocket"]
     stages.gate.clear()
     first = _submit(core, _v1(core, cat, coffee))
-    await _until(lambda: stages.calls == [[2]])  # held at the gate
+    await until(lambda: stages.calls == [[2]])  # held at the gate
     # cat twice in flight from another request, coffee too; rocket is its own
     second = _submit(core, _v1(core, coffee, rocket, cat, rocket))
     third = _submit(core, _v1(core, cat))
@@ -266,7 +261,7 @@ async def test_a_leader_past_its_deadline_leaves_its_followers_an_answer(cached,
     core, stages = cached
     stages.gate.clear()
     leader = _submit(core, _v1(core, photos["chelsea"]), budget_s=0.05)
-    await _until(lambda: stages.calls == [[1]])
+    await until(lambda: stages.calls == [[1]])
     follower = _submit(core, _v1(core, photos["chelsea"]))
     assert (await leader).code == DEADLINE_EXCEEDED  # its call still held at the gate
     stages.gate.set()
@@ -282,7 +277,7 @@ async def test_a_failed_or_abandoned_leader_leaves_its_followers_an_answer(cache
     stages.gate.clear()
     stages.fail_next = 1
     leader = _submit(core, _v1(core, cat))
-    await _until(lambda: stages.calls == [[1]])
+    await until(lambda: stages.calls == [[1]])
     follower = _submit(core, _v1(core, cat))
     stages.gate.set()
     assert (await leader).code == INTERNAL and (await follower).code == 0
@@ -291,7 +286,7 @@ async def test_a_failed_or_abandoned_leader_leaves_its_followers_an_answer(cache
     coffee = photos["coffee"]
     stages.gate.clear()
     gone = core.submit(_v1(core, coffee), lambda answer: None, "s")
-    await _until(lambda: len(stages.calls) == 3)
+    await until(lambda: len(stages.calls) == 3)
     follower = _submit(core, _v1(core, coffee))
     core.abandon(gone)  # its stream ended
     stages.gate.set()
@@ -303,7 +298,7 @@ async def test_an_image_that_fails_is_sent_again_by_each_request(cached) -> None
     core, stages = cached
     stages.gate.clear()
     first = _submit(core, _v1(core, b"junk"))
-    await _until(lambda: stages.calls == [[1]])
+    await until(lambda: stages.calls == [[1]])
     second = _submit(core, _v1(core, b"junk"))
     stages.gate.set()
     for answer in await asyncio.gather(first, second):
@@ -323,7 +318,7 @@ async def test_a_request_that_sends_anothers_images_itself_keeps_its_own_order(
     cat, coffee = photos["chelsea"], photos["coffee"]
     stages.gate.clear()
     leader = _submit(core, _v1(core, coffee, cat), budget_s=0.05)
-    await _until(lambda: stages.calls == [[2]])
+    await until(lambda: stages.calls == [[2]])
     follower = _submit(core, _v1(core, cat, coffee))
     assert (await leader).code == DEADLINE_EXCEEDED
     stages.gate.set()
@@ -338,7 +333,7 @@ async def test_images_that_failed_for_another_are_answered_in_the_requests_order
     junk, cut = b"junk", photos["chelsea"][:300]  # two bad images, two different errors
     stages.gate.clear()
     leader = _submit(core, _v1(core, junk, cut))
-    await _until(lambda: stages.calls == [[2]])
+    await until(lambda: stages.calls == [[2]])
     follower = _submit(core, _v1(core, cut, junk))  # failed for the leader: sent again
     stages.gate.set()
     await leader
@@ -353,7 +348,7 @@ async def test_a_cancelled_unary_call_hands_its_images_to_whoever_waits(cached, 
     stages.gate.clear()
     job = _v1(core, photos["chelsea"])
     call = asyncio.ensure_future(core.unary(lambda reply: core.submit(job, reply, "unary")))
-    await _until(lambda: stages.calls == [[1]])
+    await until(lambda: stages.calls == [[1]])
     follower = _submit(core, _v1(core, photos["chelsea"]))
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -367,7 +362,7 @@ async def test_a_reply_that_fails_costs_no_other_request_its_answer(uncached, ph
     core, stages = uncached
     stages.gate.clear()
     first = _submit(core, _v1(core, photos["chelsea"]))
-    await _until(lambda: stages.calls == [[1]])
+    await until(lambda: stages.calls == [[1]])
 
     def gone(answer: Answer) -> None:
         raise RuntimeError("the caller is gone")

@@ -8,15 +8,16 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import pickle
 import weakref
 
 import pytest
 
 from serve_app.core.messages import Batch, Job
-from serve_app.errors import ModelNotFound
+from serve_app.errors import Code, ModelNotFound, code_for
 from serve_app.models.registry import MemoryStore, ModelRegistry
-from serve_app.transport import device_crops, shared_images
-from serve_app.transport.call_link import CALL, HELLO, REFUSED
+from serve_app.transport import codec, device_crops, shared_images
+from serve_app.transport.call_link import CALL, HELLO, MAC_BYTES, NONCE_BYTES, Link
 from serve_app.transport.load_board import LoadBoard
 from serve_app.transport.stage_port import PortCalls, StagePort
 
@@ -172,17 +173,17 @@ async def test_without_an_address_or_with_a_dead_port_the_call_goes_by_handle() 
 
 
 async def test_a_call_without_the_token_is_refused_before_it_is_read() -> None:
-    """Unpickling runs code: a connection that lacks the app's token is refused and closed
-    before a call of it is read, and the raystream caller with a wrong token goes by
-    handle."""
+    """A connection that cannot prove the app's token is closed before a call of it is
+    read, and the raystream caller with a wrong token goes by handle."""
     registry = ModelRegistry(MemoryStore(), "app")
     ((_, port),) = await _ports(registry, ["r1"])
     host, number = port.address.rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(number))
-    guess = b"guess"
-    writer.write(HELLO + len(guess).to_bytes(4, "little") + guess)
-    writer.write(CALL.pack(0, 1, 17) + b"not even a pickle")
-    assert await reader.read() == REFUSED  # then closed
+    writer.write(HELLO + bytes(NONCE_BYTES))
+    assert len(await reader.readexactly(NONCE_BYTES + MAC_BYTES)) == NONCE_BYTES + MAC_BYTES
+    writer.write(b"a guessed proof".ljust(MAC_BYTES, b"!"))
+    writer.write(CALL.pack(0, 1, 17) + b"a call never read")
+    assert await reader.read() == b""  # closed, nothing answered
     writer.close()
     fallback = Fallback()
     calls = PortCalls(registry, "Inference", fallback, "another app's secret")
@@ -338,8 +339,9 @@ async def test_a_call_cut_off_by_its_closing_link_goes_by_handle(monkeypatch) ->
 
 
 class _CropsOnAnotherGpu:
-    """Stands for a CUDA tensor whose GPU the callee cannot see: its IPC handle, unpickled
-    there, raises CropsNotHere (serve_app/transport/device_crops.py); its bytes are 'host crops'."""
+    """Stands for a CUDA tensor whose GPU the callee cannot see: its IPC handle, opened
+    there, raises CropsNotHere (serve_app/transport/device_crops.py); its bytes are 'host
+    crops'."""
 
     is_cuda = True
     nbytes = 10
@@ -351,8 +353,13 @@ class _CropsOnAnotherGpu:
         return "host crops"
 
 
-def _refuse() -> None:
-    raise device_crops.CropsNotHere("GPU GPU-1234 is not visible to this replica")
+def _refuse(fields: tuple) -> None:
+    raise device_crops.CropsNotHere(f"GPU {fields[0]} is not visible to this replica")
+
+
+def _crops_elsewhere(monkeypatch) -> None:
+    monkeypatch.setattr(device_crops, "handle", lambda tensor: ("GPU-1234",))
+    monkeypatch.setattr(device_crops, "open_handle", _refuse)
 
 
 async def _port_noting_crops(registry: ModelRegistry) -> tuple[list[object], StagePort]:
@@ -372,7 +379,7 @@ async def test_crops_a_replica_cannot_open_go_to_it_as_bytes_from_then_on(monkey
     """Crops on the GPU go by CUDA IPC handle; a replica that cannot open the caller's GPU
     refuses the call, which goes again with the crops' bytes, as every later call to it
     does. The call is answered once, and by the port."""
-    monkeypatch.setattr(device_crops, "reduce", lambda tensor: (_refuse, ()))
+    _crops_elsewhere(monkeypatch)
     registry = ModelRegistry(MemoryStore(), "app")
     seen, port = await _port_noting_crops(registry)
     fallback = Fallback()
@@ -388,14 +395,15 @@ async def test_crops_a_replica_cannot_open_go_to_it_as_bytes_from_then_on(monkey
 
 
 def test_crops_on_a_gpu_this_process_cannot_see_are_refused() -> None:
+    fields = ("GPU-0000", (1,), (1,), 0, "uint8", b"handle", 1, 0, False, b"counter", 0, b"", 0)
     with pytest.raises(device_crops.CropsNotHere, match="GPU-0000 is not visible"):
-        device_crops._rebuild("GPU-0000", None, ())
+        device_crops.open_handle(fields)
 
 
 async def test_crops_on_the_gpu_go_to_another_node_as_bytes(monkeypatch) -> None:
     """A replica on another node cannot open this GPU's memory: its calls carry the bytes
     from the first, and no handle is made."""
-    monkeypatch.setattr(device_crops, "reduce", lambda tensor: (_refuse, ()))
+    _crops_elsewhere(monkeypatch)
     registry = ModelRegistry(MemoryStore(), "app")
     seen, port = await _port_noting_crops(registry)
     calls = PortCalls(registry, "Inference", Fallback(), TOKEN, node="10.0.0.9")
@@ -487,3 +495,32 @@ async def test_beside_a_replica_on_another_node_the_caller_counts_its_own_images
     calls._in_flight.update({"10.0.0.1:1": 1, "10.0.0.1:2": 2})
     assert {calls._pick() for _ in range(20)} == {"10.0.0.1:2"}
     await calls.close()
+
+
+class _Planted:
+    """A pickle that would create a file where it is unpickled."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+async def test_bytes_from_a_peer_with_the_token_never_become_code(tmp_path) -> None:
+    """Even a caller that proves the token cannot make a replica run code: a call is data of
+    serve_app/transport/codec.py or an error, never a pickle."""
+    registry = ModelRegistry(MemoryStore(), "app")
+    ((stage, port),) = await _ports(registry, ["r1"])
+    planted = tmp_path / "planted"
+    link = Link(port.address, TOKEN.encode())
+    for request in (
+        pickle.dumps(_Planted(str(planted))),
+        codec.dumps({"\0message": "Popen", "values": ()}),
+        codec.dumps({"\0array": "object", "shape": (1,), "data": b"\0" * 8}),
+    ):
+        ok, value = codec.loads(await link.call(request, 1))
+        assert not ok and code_for(value) == Code.INTERNAL
+    assert not planted.exists() and port.calls == 3 and stage.running == 0
+    await link.close()
+    await port.stop(0)
