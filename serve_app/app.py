@@ -62,8 +62,14 @@ class Stages:
         self._port = None
         self._port_calls_here = 0  # port calls in this group's own stages (autoscaling)
         if config.stage_calls == "port":
-            self._port = StagePort(self._run_port_call, config.stage_token, then=self._pass_on)
-            await self._port.start(ray.util.get_node_ip_address())
+            self._port = StagePort(
+                self._run_port_call,
+                config.stage_token,
+                deployment_name(stages),
+                then=self._pass_on,
+            )
+            first, last = config.stage_ports
+            await self._port.start(ray.util.get_node_ip_address(), range(first, last + 1))
         self._group = await StageGroup.create(
             config,
             stages,

@@ -185,10 +185,22 @@ class AppConfig(_Strict):
     # of each stage replica's own (serve_app/transport/call_link.py), with the handle as fallback
     # (serve_app/transport/stage_port.py).
     stage_calls: Literal["handle", "port"] = "handle"
+    # The ports (first, last) that stage replicas listen on, on their node's address: each
+    # takes the first free one (docs/operations.md: what a firewall must let through).
+    stage_ports: tuple[int, int] = (9100, 9163)
     # With `stage_calls: port`: shared memory (/dev/shm) each ingress replica may use to hand
     # requests' images to stage replicas on its node instead of sending them in the call
     # (serve_app/transport/shared_images.py); 0: calls carry the images.
     shared_images_bytes: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _stage_ports_a_range(self) -> AppConfig:
+        first, last = self.stage_ports
+        if not 1024 <= first <= last <= 65535:
+            raise ValueError(
+                f"stage_ports must be [first, last] in 1024..65535, got {first}, {last}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _stages_in_order(self) -> AppConfig:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import hmac
 import itertools
@@ -37,7 +38,7 @@ import secrets
 import socket
 import ssl
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +74,19 @@ class LinkServer:
         self._connections: set[asyncio.StreamWriter] = set()
         self._calls: set[asyncio.Task] = set()
 
-    async def start(self, host: str) -> int:
-        """Listens on `host`, on a free port; returns the port."""
+    async def start(self, host: str, ports: Sequence[int] = (0,)) -> int:
+        """Listens on `host`, on the first of `ports` that is free (0: any); returns the
+        port. OSError where none is."""
         tls = {"ssl": self._tls, "ssl_handshake_timeout": HELLO_TIMEOUT_S} if self._tls else {}
-        self._server = await asyncio.start_server(self._serve, host, 0, **tls)
-        return self._server.sockets[0].getsockname()[1]
+        for port in ports:
+            try:
+                self._server = await asyncio.start_server(self._serve, host, port, **tls)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                continue
+            return self._server.sockets[0].getsockname()[1]
+        raise OSError(errno.EADDRINUSE, f"no free port in {ports[0]}-{ports[-1]} on {host}")
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._connections.add(writer)
@@ -144,6 +153,15 @@ class LinkServer:
             writer.close()
         with contextlib.suppress(asyncio.TimeoutError):  # 3.12: waits for those handlers
             await asyncio.wait_for(self._server.wait_closed(), 1.0)
+
+
+def deployment_key(token: str, deployment: str) -> bytes:
+    """The key that one deployment's stage ports prove: a port of another deployment of the
+    app (bound since on an address of a replica that stopped) fails the handshake rather
+    than run a call meant for another stage."""
+    return hmac.new(
+        token.encode(), b"stage port of " + deployment.encode(), hashlib.sha256
+    ).digest()
 
 
 def _mac(token: bytes, role: bytes, caller_nonce: bytes, replica_nonce: bytes) -> bytes:

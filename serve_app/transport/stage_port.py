@@ -36,14 +36,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from serve_app.core.messages import Batch
 from serve_app.errors import Code, cancelled_itself, code_for
 from serve_app.models.registry import ModelRegistry
 from serve_app.transport import codec, device_crops
-from serve_app.transport.call_link import Link, LinkDown, LinkServer, tls_contexts
+from serve_app.transport.call_link import (
+    Link,
+    LinkDown,
+    LinkServer,
+    deployment_key,
+    tls_contexts,
+)
 from serve_app.transport.load_board import LoadBoard, LoadSlot
 from serve_app.transport.shared_images import ImageReader, ImageWriter, SharedImagesMissing
 
@@ -63,20 +69,23 @@ class StagePort:
         self,
         run: Callable[[Batch], Awaitable[Any]],
         token: str,
+        deployment: str,
         then: Callable[[Any], Awaitable[Any]] | None = None,
     ) -> None:
-        self._run, self._then, self._token = run, then, token.encode()
+        self._run, self._then = run, then
+        self._token = deployment_key(token, deployment)
         self._server: LinkServer | None = None
         self._images = ImageReader()
         self._load: LoadSlot | None = None  # the images held, for callers on this node
         self.address = ""
         self.calls = 0  # calls answered (tests: the port, not the handle, carried them)
 
-    async def start(self, host: str) -> str:
+    async def start(self, host: str, ports: Sequence[int] = (0,)) -> str:
+        """Listens on `host`, on the first free port of `ports` (the config's `stage_ports`)."""
         tls = tls_contexts()
         self._server = LinkServer(self._call, self._token, tls[0] if tls else None)
         try:
-            port = await self._server.start(host)
+            port = await self._server.start(host, ports)
         except OSError as exc:
             raise RuntimeError(f"cannot bind a stage port on {host}: {exc}") from exc
         self.address = f"{host}:{port}"
@@ -141,7 +150,7 @@ class PortCalls:
         shared_bytes: int = 0,
     ) -> None:
         self._registry, self._deployment, self._fallback = registry, deployment, fallback
-        self._token = token.encode()
+        self._token = deployment_key(token, deployment)
         self._node = node
         self._images = ImageWriter(shared_bytes) if shared_bytes and node else None
         self._unshared: set[str] = set()  # addresses that could not map this node's memory

@@ -17,7 +17,14 @@ from serve_app.core.messages import Batch, Job
 from serve_app.errors import Code, ModelNotFound, code_for
 from serve_app.models.registry import MemoryStore, ModelRegistry
 from serve_app.transport import codec, device_crops, shared_images
-from serve_app.transport.call_link import CALL, HELLO, MAC_BYTES, NONCE_BYTES, Link
+from serve_app.transport.call_link import (
+    CALL,
+    HELLO,
+    MAC_BYTES,
+    NONCE_BYTES,
+    Link,
+    deployment_key,
+)
 from serve_app.transport.load_board import LoadBoard
 from serve_app.transport.stage_port import PortCalls, StagePort
 
@@ -60,7 +67,7 @@ async def _ports(registry: ModelRegistry, names: list[str]) -> list[tuple[Stage,
     started = []
     for name in names:
         stage = Stage(name)
-        port = StagePort(stage.run, TOKEN)
+        port = StagePort(stage.run, TOKEN, "Inference")
         registry.report("Inference", name, [], address=await port.start("127.0.0.1"))
         started.append((stage, port))
     return started
@@ -143,7 +150,7 @@ async def test_a_failing_stage_lets_go_of_the_batch_it_was_sent_at_once() -> Non
         raise ModelNotFound("model version 'gone' is not loaded in this replica")
 
     registry = ModelRegistry(MemoryStore(), "app")
-    port = StagePort(run, TOKEN)
+    port = StagePort(run, TOKEN, "Inference")
     registry.report("Inference", "r1", [], address=await port.start("127.0.0.1"))
     calls = PortCalls(registry, "Inference", Fallback(), TOKEN)
     calls.update(registry.ports("Inference"))
@@ -254,7 +261,7 @@ def _photos_batch() -> Batch:
 
 
 async def _sized_port(registry: ModelRegistry) -> SizedPort:
-    port = SizedPort(ImagesStage("r1").run, TOKEN)
+    port = SizedPort(ImagesStage("r1").run, TOKEN, "Inference")
     port.sizes = []
     registry.report("Inference", "r1", [], address=await port.start("127.0.0.1"))
     return port
@@ -322,7 +329,7 @@ async def test_a_call_cut_off_by_its_closing_link_goes_by_handle(monkeypatch) ->
 
     monkeypatch.setattr(stage_port, "CLOSE_GRACE_S", 0.05)
     registry = ModelRegistry(MemoryStore(), "app")
-    port = StagePort(SlowStage("r1").run, TOKEN)
+    port = StagePort(SlowStage("r1").run, TOKEN, "Inference")
     registry.report("Inference", "r1", [], address=await port.start("127.0.0.1"))
     fallback = Fallback()
     calls = PortCalls(registry, "Inference", fallback, TOKEN)
@@ -370,7 +377,7 @@ async def _port_noting_crops(registry: ModelRegistry) -> tuple[list[object], Sta
         seen.append(batch.crops)
         return "answered"
 
-    port = StagePort(run, TOKEN)
+    port = StagePort(run, TOKEN, "Inference")
     registry.report("Inference", "r1", [], address=await port.start("127.0.0.1"))
     return seen, port
 
@@ -437,7 +444,7 @@ async def test_a_caller_avoids_the_replica_another_caller_keeps_busy() -> None:
     release = asyncio.Event()
     stages, ports = [HeldStage(name, release) for name in ("r1", "r2")], []
     for stage in stages:
-        port = StagePort(stage.run, TOKEN)
+        port = StagePort(stage.run, TOKEN, "Inference")
         registry.report("Inference", stage.name, [], address=await port.start("127.0.0.1"))
         ports.append(port)
     busy_caller, idle_caller = (
@@ -513,7 +520,7 @@ async def test_bytes_from_a_peer_with_the_token_never_become_code(tmp_path) -> N
     registry = ModelRegistry(MemoryStore(), "app")
     ((stage, port),) = await _ports(registry, ["r1"])
     planted = tmp_path / "planted"
-    link = Link(port.address, TOKEN.encode())
+    link = Link(port.address, deployment_key(TOKEN, "Inference"))
     for request in (
         pickle.dumps(_Planted(str(planted))),
         codec.dumps({"\0message": "Popen", "values": ()}),
@@ -524,3 +531,26 @@ async def test_bytes_from_a_peer_with_the_token_never_become_code(tmp_path) -> N
     assert not planted.exists() and port.calls == 3 and stage.running == 0
     await link.close()
     await port.stop(0)
+
+
+async def test_a_port_of_another_deployment_fails_the_handshake_so_the_call_goes_by_handle() -> (
+    None
+):
+    """Stage ports take the first free port of a fixed range, so a replica of another
+    deployment can come to listen where a stopped one did: it proves another key, and the
+    call meant for Inference never runs there."""
+    registry = ModelRegistry(MemoryStore(), "app")
+    stage = Stage("postprocess")
+    port = StagePort(stage.run, TOKEN, "Postprocess")
+    address = await port.start("127.0.0.1", range(29100, 29164))
+    registry.report("Inference", "r1", [], address=address)  # a stale report
+    fallback = Fallback()
+    calls = PortCalls(registry, "Inference", fallback, TOKEN)
+    calls.update(registry.ports("Inference"))
+    assert await calls.run(_batch()) == ["handle", "a"]
+    assert port.calls == 0 and len(fallback.batches) == 1
+    second = StagePort(stage.run, TOKEN, "Postprocess")
+    assert await second.start("127.0.0.1", range(29100, 29164)) != address  # the next one free
+    await calls.close()
+    await port.stop(0)
+    await second.stop(0)
