@@ -21,6 +21,7 @@ from serve_app.core.messages import Answer, Batch, Served
 from serve_app.ingress.deployment import Ingress
 from serve_app.models.registry import ModelRegistry, RayStore
 from serve_app.observability.logs import to_serve_log
+from serve_app.observability.metrics import StageCallMetrics
 from serve_app.pipeline.autoscaling import PORT_CALLS
 from serve_app.pipeline.topology import StageGroup, StageHandle, initial_versions
 from serve_app.transport.stage_port import PortCalls, StagePort
@@ -88,6 +89,7 @@ class Stages:
                     self._next.run,
                     config.stage_token,
                     node=ray.util.get_node_ip_address(),  # crops on the GPU: this node's only
+                    metrics=StageCallMetrics(),
                 )
         self.batching = self._group.batching
         self.images_inferred = self._group.images_inferred

@@ -32,7 +32,7 @@ from serve_app.config import MESSAGE_LIMIT_ENV, AppConfig, Group
 from serve_app.core.messages import Answer, Batch, Served
 from serve_app.errors import Unavailable, clip
 from serve_app.models.registry import POLL_S, ModelRegistry, key_of, split_key
-from serve_app.observability.metrics import resident_memory_bytes
+from serve_app.observability.metrics import StageCallMetrics, resident_memory_bytes
 from serve_app.stages.inference import InferenceStage
 from serve_app.stages.postprocess import PostprocessStage
 from serve_app.stages.preprocess import PreprocessStage, load_model
@@ -115,7 +115,13 @@ class StageChain:
         if registry is not None:
             first = self._single or StageHandle(handles[0])
             self._port = PortCalls(
-                registry, handles[0].deployment_name, first.run, token, node, shared_bytes
+                registry,
+                handles[0].deployment_name,
+                first.run,
+                token,
+                node,
+                shared_bytes,
+                StageCallMetrics(),
             )
 
     async def run(self, batch: Batch) -> list[Answer]:

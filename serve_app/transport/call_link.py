@@ -48,14 +48,18 @@ NONCE_BYTES = MAC_BYTES = 32
 CALL = struct.Struct("<QIQ")  # id, images, length
 ANSWER = struct.Struct("<QQ")  # id, length
 MAX_FRAME_BYTES = 1 << 30  # calls carry whole batches: tens of MB where requests are large
-HELLO_TIMEOUT_S = 10.0  # to connect, and for the handshake
-# A peer whose host vanished (power, network) sends no reset: without these, calls waiting on
-# its connection would wait until its address left the registry and its links closed (up to
-# ~36 s). Idle for KEEPALIVE_IDLE_S, the kernel probes every KEEPALIVE_INTERVAL_S and drops
-# the connection after KEEPALIVE_PROBES unanswered; data unacknowledged for USER_TIMEOUT_S
-# drops it too. Either way the calls fail with LinkDown and go by handle.
-KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 5, 2, 3
-USER_TIMEOUT_S = 10
+HELLO_TIMEOUT_S = 10.0  # for a caller's handshake, on the replica
+# A caller's connect and handshake: a replica alive but cut off answers nothing, and its
+# calls should go elsewhere soon (the kernel would retry the connect for minutes).
+CONNECT_TIMEOUT_S = 2.0
+# A peer whose host vanished or was cut off sends no reset: without these, calls waiting on
+# its connection would wait until its address left the registry. Idle for KEEPALIVE_IDLE_S
+# (a call waiting for its answer), the kernel probes and drops the connection after
+# KEEPALIVE_PROBES unanswered, KEEPALIVE_INTERVAL_S apart; data unacknowledged for
+# USER_TIMEOUT_S drops it too. The peer's kernel answers probes however busy the peer is.
+# Either way the calls fail with LinkDown within about 2 s and go to another replica.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 1, 1, 1
+USER_TIMEOUT_S = 2
 
 Handler = Callable[[bytes, int], Awaitable[bytes]]
 
@@ -240,14 +244,20 @@ class Link:
                 raise LinkDown(f"the link to {self.address} is closed")
             host, port = self.address.rsplit(":", 1)
             unreachable = f"cannot reach the stage port {self.address}"
+            loop = asyncio.get_running_loop()
+            end = loop.time() + CONNECT_TIMEOUT_S
+
+            def deadline() -> float:
+                return max(0.0, end - loop.time())
+
             try:  # a host gone answers nothing: the kernel would retry for minutes
                 reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(host, int(port), ssl=self._tls), HELLO_TIMEOUT_S
+                    asyncio.open_connection(host, int(port), ssl=self._tls), deadline()
                 )
             except (OSError, asyncio.TimeoutError) as exc:
                 raise LinkDown(f"{unreachable}: {exc!r}") from exc
             try:
-                accepted = await asyncio.wait_for(self._handshake(reader, writer), HELLO_TIMEOUT_S)
+                accepted = await asyncio.wait_for(self._handshake(reader, writer), deadline())
             except BaseException as exc:  # cancelled too: the socket is not left open
                 writer.close()
                 if isinstance(exc, OSError | asyncio.IncompleteReadError | asyncio.TimeoutError):

@@ -36,12 +36,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from serve_app.core.messages import Batch
 from serve_app.errors import Code, cancelled_itself, code_for
 from serve_app.models.registry import ModelRegistry
+from serve_app.observability.metrics import StageCallMetrics
 from serve_app.transport import codec, device_crops
 from serve_app.transport.call_link import (
     Link,
@@ -57,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 ADDRESS_POLL_S = 1.0  # how often a caller reads the replicas' addresses
 CLOSE_GRACE_S = 30.0
+FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0  # an address that failed, before it is tried again
 
 
 class StagePort:
@@ -148,8 +151,13 @@ class PortCalls:
         token: str,
         node: str = "",
         shared_bytes: int = 0,
+        metrics: StageCallMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._registry, self._deployment, self._fallback = registry, deployment, fallback
+        self._metrics, self._clock = metrics, clock
+        # address -> (when it may be called again, the delay that set it)
+        self._backoff: dict[str, tuple[float, float]] = {}
         self._token = deployment_key(token, deployment)
         self._node = node
         self._images = ImageWriter(shared_bytes) if shared_bytes and node else None
@@ -174,40 +182,61 @@ class PortCalls:
     async def run(self, batch: Batch) -> Any:
         if self._refresh_task is None and self._following:
             self._refresh_task = asyncio.create_task(self._refresh())
-        address = self._pick(batch.model)
-        if address is None:
-            self.by_handle += 1
-            return await self._fallback(device_crops.on_host(batch))
-        images = batch.image_count()
-        self._in_flight[address] += images
-        link = self._links[address]
-        try:
-            ok, value = await self._call(link, batch, images)
-        except (LinkDown, asyncio.CancelledError) as exc:
-            if isinstance(exc, asyncio.CancelledError) and cancelled_itself():
-                raise  # this call itself was cancelled, not its link's
-            # The replica stopped, refused the token, or the link closed under a live call
-            # (the address dropped while it ran past CLOSE_GRACE_S): the call goes by handle.
-            reason = str(exc) or "cancelled"
-            logger.warning(
-                "the stage port %s failed (%s); this call goes by handle and the address is "
-                "dropped until the replica reports it again",
-                address,
-                reason,
-            )
-            if self._links.get(address) is link:
-                self._drop(address)
-            self.by_handle += 1
-            return await self._fallback(device_crops.on_host(batch))
-        finally:
-            if self._links.get(address) is link:  # not a link opened since
-                self._in_flight[address] -= images
-        if not ok:
+        tried: set[str] = set()
+        while (address := self._pick(batch.model, tried)) is not None:
+            tried.add(address)
+            images = batch.image_count()
+            self._in_flight[address] += images
+            link = self._links[address]
             try:
-                raise value
-            finally:  # else the error's traceback and this frame hold each other, and the
-                del value, batch  # batch, until the garbage collector runs
+                ok, value = await self._call(link, batch, images)
+            except (LinkDown, asyncio.CancelledError) as exc:
+                if isinstance(exc, asyncio.CancelledError) and cancelled_itself():
+                    raise  # this call itself was cancelled, not its link's
+                # The replica stopped or is cut off, failed the handshake, or the link closed
+                # under a live call: the call goes to another replica's port, else by handle.
+                self._count("port", "link_down")
+                if self._links.get(address) is link:
+                    self._back_off(address, str(exc) or "cancelled")
+                continue
+            finally:
+                if self._links.get(address) is link:  # not a link opened since
+                    self._in_flight[address] -= images
+            self._backoff.pop(address, None)
+            self._count("port", "ok" if ok else "error")
+            if not ok:
+                try:
+                    raise value
+                finally:  # else the error's traceback and this frame hold each other, and
+                    del value, batch  # the batch, until the garbage collector runs
+            return value
+        self.by_handle += 1
+        try:
+            value = await self._fallback(device_crops.on_host(batch))
+        except Exception:
+            self._count("handle", "error")
+            raise
+        self._count("handle", "ok")
         return value
+
+    def _count(self, transport: str, outcome: str) -> None:
+        if self._metrics is not None:
+            self._metrics.count(self._deployment, transport, outcome)
+
+    def _back_off(self, address: str, reason: str) -> None:
+        """`address` failed: dropped, and not called again until a delay that doubles with
+        each failure in a row (FIRST_BACKOFF_S to MAX_BACKOFF_S) has passed, whatever the
+        registry reports meanwhile (a replica alive but cut off still reports)."""
+        _, last = self._backoff.get(address, (0.0, FIRST_BACKOFF_S / 2))
+        delay = min(2 * last, MAX_BACKOFF_S)
+        self._backoff[address] = (self._clock() + delay, delay)
+        logger.warning(
+            "the stage port %s failed (%s); its calls go elsewhere for %.0f s",
+            address,
+            reason,
+            delay,
+        )
+        self._drop(address)
 
     async def _call(self, link: Link, batch: Batch, images: int) -> tuple[bool, Any]:
         """One call over `link`, of `images` images; crops on the GPU by CUDA IPC where the
@@ -261,16 +290,16 @@ class PortCalls:
     def _on_this_node(self, address: str) -> bool:
         return address.rsplit(":", 1)[0] == self._node
 
-    def _pick(self, model: str = "") -> str | None:
+    def _pick(self, model: str = "", tried: Collection[str] = ()) -> str | None:
         """The least busy address (ties at random), among those that report holding `model`
         where any does. Where every candidate is on this node and publishes its load
         (serve_app/transport/load_board.py): by the images it holds for all its callers, or this
         caller's own in flight to it if more (sent, not arrived yet). Otherwise by this
         caller's own images alone: the load of another node's replicas is not seen here,
         and beside the others' it would read as idle."""
-        if not self._in_flight:
+        candidates = [address for address in self._in_flight if address not in tried]
+        if not candidates:
             return None
-        candidates = list(self._in_flight)
         if model:
             holding = [a for a in candidates if model in self._holds.get(a, ())]
             candidates = holding or candidates
@@ -288,7 +317,10 @@ class PortCalls:
         (a replica started since on an address of one that stopped has a file of its own)."""
         self._holds = ports
         self._board.close()
-        addresses = set(ports)
+        now = self._clock()
+        for address in [a for a, (until, _) in self._backoff.items() if a not in ports]:
+            del self._backoff[address]  # no longer reported: nothing to come back to
+        addresses = {a for a in ports if self._backoff.get(a, (0.0, 0.0))[0] <= now}
         for address in addresses - self._links.keys():
             self._links[address] = Link(address, self._token, self._tls)
             self._in_flight[address] = 0

@@ -16,7 +16,7 @@ import pytest
 from serve_app.core.messages import Batch, Job
 from serve_app.errors import Code, ModelNotFound, code_for
 from serve_app.models.registry import MemoryStore, ModelRegistry
-from serve_app.transport import codec, device_crops, shared_images
+from serve_app.transport import call_link, codec, device_crops, shared_images
 from serve_app.transport.call_link import (
     CALL,
     HELLO,
@@ -554,3 +554,47 @@ async def test_a_port_of_another_deployment_fails_the_handshake_so_the_call_goes
     await calls.close()
     await port.stop(0)
     await second.stop(0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_replica_cut_off_costs_a_call_the_connect_timeout_then_waits_its_backoff(
+    monkeypatch,
+) -> None:
+    """A replica alive but cut off (it reports, answers nothing): the call goes to another
+    replica's port within the connect timeout, and the address is not picked again until
+    its backoff has passed, however often the registry reports it; each failure in a row
+    doubles the backoff."""
+    monkeypatch.setattr(call_link, "CONNECT_TIMEOUT_S", 0.3)
+    silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)  # never answers
+    cut = f"127.0.0.1:{silent.sockets[0].getsockname()[1]}"
+    registry = ModelRegistry(MemoryStore(), "app")
+    ((_, port),) = await _ports(registry, ["r1"])
+    registry.report("Inference", "cut", [], address=cut)
+    clock = Clock()
+    fallback = Fallback()
+    calls = PortCalls(registry, "Inference", fallback, TOKEN, clock=clock)
+    calls.update(registry.ports("Inference"))
+    loop = asyncio.get_running_loop()
+    for _ in range(6):
+        started = loop.time()
+        assert await calls.run(_batch()) == ["r1", "a"]
+        assert loop.time() - started < 1.0
+        calls.update(registry.ports("Inference"))  # the cut replica still reports
+    assert port.calls == 6 and fallback.batches == []
+    assert calls._backoff[cut] == (1.0, 1.0)  # tried once, then left alone
+    clock.now = 1.0
+    calls.update(registry.ports("Inference"))
+    assert cut in calls._links  # its backoff passed: tried again...
+    calls._in_flight[port.address] = 99  # ...first, now that r1 looks busy
+    assert await calls.run(_batch()) == ["r1", "a"]
+    assert calls._backoff[cut] == (3.0, 2.0)  # failed again: twice as long
+    await calls.close()
+    await port.stop(0)
+    silent.close()
