@@ -19,7 +19,8 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.config import AppConfig, BatchingConfig, Group, deployment_name, groups
 from serve_app.core.messages import Answer, Batch, Served
 from serve_app.ingress.deployment import Ingress
-from serve_app.models.registry import ModelRegistry, RayStore
+from serve_app.models.registry import ModelRegistry
+from serve_app.models.registry_actor import ActorStore
 from serve_app.observability.logs import to_serve_log
 from serve_app.observability.metrics import StageCallMetrics
 from serve_app.pipeline.autoscaling import PORT_CALLS
@@ -58,7 +59,7 @@ class Stages:
         to_serve_log()
         config = AppConfig.model_validate(config)
         context = serve.get_replica_context()
-        registry = ModelRegistry(RayStore(), config.instance)
+        registry = ModelRegistry(ActorStore(config.instance), config.instance)
         self._drain_s = config.limits.drain_timeout_s
         self._port = None
         self._port_calls_here = 0  # port calls in this group's own stages (autoscaling)
@@ -135,6 +136,7 @@ class Stages:
             await self._port.stop(self._drain_s)
         if isinstance(self._next, PortCalls):
             await self._next.close()
+        await self._group.leave()
 
     def record_autoscaling_stats(self) -> dict[str, int]:
         """Serve's autoscaler reads it (serve_app/pipeline/autoscaling.py): the port's calls

@@ -29,7 +29,8 @@ from serve_app.core.messages import Served
 from serve_app.core.serving import ServingCore
 from serve_app.ingress.security import TokenAuth, server_credentials
 from serve_app.models.lifecycle import ModelLifecycle
-from serve_app.models.registry import POLL_S, ModelRegistry, RayStore
+from serve_app.models.registry import POLL_S, ModelRegistry
+from serve_app.models.registry_actor import ActorStore
 from serve_app.observability.logs import to_serve_log
 from serve_app.observability.metrics import resident_memory_bytes
 from serve_app.pipeline.topology import StageChain, StageGroup, initial_versions
@@ -62,7 +63,7 @@ class Ingress:
         self._local: StageGroup | None = None
         self._chain: StageChain | None = None
         replica = serve.get_replica_context().replica_id.unique_id
-        registry = ModelRegistry(RayStore(), self._config.instance)
+        registry = ModelRegistry(ActorStore(self._config.instance), self._config.instance)
         if stages:
             port = self._config.stage_calls == "port"
             chain = StageChain(
@@ -206,4 +207,5 @@ class Ingress:
             await self._server.stop(grace=self._config.limits.drain_timeout_s)
             if self._chain is not None:
                 await self._chain.close()
+            await self._models.leave()
             self._core.flush_metrics()  # the last second's counts

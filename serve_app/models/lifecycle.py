@@ -85,6 +85,11 @@ class ModelLifecycle:
             if task is not None:
                 task.cancel()
 
+    async def leave(self) -> None:
+        """The ingress replica is stopping: its routes' report leaves the registry now."""
+        self.stop()
+        await asyncio.to_thread(self._registry.leave, ROUTES, self._replica)
+
     # -- following the desired state --------------------------------------------------------
 
     async def follow_once(self) -> None:

@@ -2,7 +2,7 @@
 that load and unload change at run time, and what each replica reports it holds.
 
     desired   one key per version: "efficientnet-lite0/1" -> "serve", ... -> "drain"
-    reports   one per replica, rewritten every POLL_S: the versions it holds (stage
+    reports   one per replica, renewed while it lives: the versions it holds (stage
               replicas) or routes and has requests in flight for (ingress replicas)
 
 Each version's state is a key of its own, so loads and unloads sent at once through
@@ -12,86 +12,92 @@ and one document rewritten whole by two replicas would keep only the last one's 
 A version's life: `serve` (every stage replica loads and warms it, then reports it held; an
 ingress routes to it once every live replica of every stage deployment holds it), `drain`
 (ingresses stop routing to it; stage replicas keep it until no ingress reports requests in
-flight for it), then gone (stage replicas drop it). The state lives in Ray's GCS key-value
-store (RayStore), under the application instance that build_app names; unit tests use a
-MemoryStore.
+flight for it), then gone (stage replicas drop it). The state lives in a registry actor of
+the application instance that build_app names (serve_app/models/registry_actor.py): each
+replica reads a copy of it kept current by a long poll, and writes to it; unit tests use a
+MemoryStore. A report is renewed by its replica's reports and gone FRESH_S after the last,
+on the store's clock alone: no two hosts' clocks are compared.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from serve_app.errors import ModelNotFound, clip
 
 State = Literal["serve", "drain"]
-POLL_S = 0.25  # how often replicas read the desired state and write their report
-FRESH_S = 5.0  # a report older than this is from a replica that is gone
+POLL_S = 0.25  # how often replicas look at the desired state and report (a local read)
+FRESH_S = 5.0  # a report not renewed for this long, on the store's clock, is of a replica gone
 # How long a starting replica waits for the first one to write the initial state; past it
 # (that replica died in between), it writes the state itself.
 START_WAIT_S = 10.0
+REPORTS = "report/"  # the keys of the replicas' reports, under the instance: ephemeral
 
 
 class Store(Protocol):
+    """A key-value store whose keys under an instance's `report/` are ephemeral: each is
+    gone FRESH_S after its last put, on the store's own clock."""
+
     def get(self, key: str) -> bytes | None: ...
     def put(self, key: str, value: bytes, overwrite: bool = True) -> bool:
         """Whether `key` was added (it had no value)."""
 
     def delete(self, key: str) -> None: ...
     def keys(self, prefix: str) -> list[str]: ...
+    def close(self) -> None:
+        """This process is done with the store."""
+
+
+def ephemeral(key: str) -> bool:
+    return key.split("/", 1)[-1].startswith(REPORTS)
 
 
 class MemoryStore:
-    """A Store in one process (unit tests, or several objects that share it)."""
+    """A Store in one process: unit tests, and the state a RegistryActor holds."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.data: dict[str, bytes] = {}
+        self.version = 0  # counts the changes of `data`
+        self._clock = clock
+        self._expires: dict[str, float] = {}  # ephemeral key -> when it is gone
 
     def get(self, key: str) -> bytes | None:
+        self.expire()
         return self.data.get(key)
 
     def put(self, key: str, value: bytes, overwrite: bool = True) -> bool:
+        self.expire()
         added = key not in self.data
-        if overwrite or added:
+        if ephemeral(key):
+            self._expires[key] = self._clock() + FRESH_S
+        if (overwrite or added) and self.data.get(key) != value:
             self.data[key] = value
+            self.version += 1
         return added
 
     def delete(self, key: str) -> None:
-        self.data.pop(key, None)
+        self._expires.pop(key, None)
+        if self.data.pop(key, None) is not None:
+            self.version += 1
 
     def keys(self, prefix: str) -> list[str]:
+        self.expire()
         return [key for key in self.data if key.startswith(prefix)]
 
+    def close(self) -> None:
+        pass
 
-class RayStore:
-    """The Ray cluster's GCS key-value store: every replica of the application sees it."""
-
-    NAMESPACE = "raystream"
-
-    def get(self, key: str) -> bytes | None:
-        from ray.experimental import internal_kv
-
-        return internal_kv._internal_kv_get(key, namespace=self.NAMESPACE)
-
-    def put(self, key: str, value: bytes, overwrite: bool = True) -> bool:
-        from ray.experimental import internal_kv
-
-        existed = internal_kv._internal_kv_put(key, value, overwrite, namespace=self.NAMESPACE)
-        return not existed
-
-    def delete(self, key: str) -> None:
-        from ray.experimental import internal_kv
-
-        internal_kv._internal_kv_del(key, namespace=self.NAMESPACE)
-
-    def keys(self, prefix: str) -> list[str]:
-        from ray.experimental import internal_kv
-
-        found = internal_kv._internal_kv_list(prefix, namespace=self.NAMESPACE)
-        return [key.decode() if isinstance(key, bytes) else key for key in found]
+    def expire(self) -> bool:
+        """Drops the ephemeral keys not renewed in time; whether any went."""
+        now = self._clock()
+        gone = [key for key, until in self._expires.items() if until < now]
+        for key in gone:
+            self.delete(key)
+        return bool(gone)
 
 
 @dataclass(frozen=True)
@@ -99,7 +105,6 @@ class Report:
     deployment: str
     replica: str
     holds: frozenset[str]  # versions loaded (stage replicas) or routed and busy (ingress)
-    at: float
     failed: dict[str, str]  # versions that failed to load here, and why
     address: str = ""  # the replica's stage port, host:port (serve_app/transport/stage_port.py)
 
@@ -134,7 +139,7 @@ class ModelRegistry:
         self._desired = f"{instance}/desired/"
         self._claimed = f"{instance}/start/claimed"
         self._written = f"{instance}/start/written"
-        self._reports = f"{instance}/report/"
+        self._reports = f"{instance}/{REPORTS}"
 
     def start(self, initial: Iterable[str]) -> dict[str, State]:
         """The desired state. The instance's first replica writes it as `initial` (all
@@ -178,32 +183,30 @@ class ModelRegistry:
         failed: dict[str, str] | None = None,
         address: str = "",
     ) -> None:
-        value = {"holds": sorted(holds), "at": time.time(), "failed": failed or {}}
+        value = {"holds": sorted(holds), "failed": failed or {}}
         if address:
             value["address"] = address
         self._store.put(f"{self._reports}{deployment}/{replica}", json.dumps(value).encode())
 
+    def leave(self, deployment: str, replica: str) -> None:
+        """The replica is stopping: its report goes now, not FRESH_S later, and this process
+        stops following the store."""
+        self._store.delete(f"{self._reports}{deployment}/{replica}")
+        self._store.close()
+
     def reports(self, deployment: str) -> list[Report]:
-        """The fresh reports of `deployment`'s replicas."""
-        now, found = time.time(), []
+        """The reports of `deployment`'s live replicas (each renewed within FRESH_S)."""
+        found = []
         for key in self._store.keys(f"{self._reports}{deployment}/"):
             raw = self._store.get(key)
             if raw is None:
                 continue
             value = json.loads(raw)
-            if now - value["at"] <= FRESH_S:
-                replica = key.rsplit("/", 1)[1]
-                holds = frozenset(value["holds"])
-                found.append(
-                    Report(
-                        deployment,
-                        replica,
-                        holds,
-                        value["at"],
-                        value["failed"],
-                        value.get("address", ""),
-                    )
-                )
+            replica = key.rsplit("/", 1)[1]
+            holds = frozenset(value["holds"])
+            found.append(
+                Report(deployment, replica, holds, value["failed"], value.get("address", ""))
+            )
         return found
 
     def ports(self, deployment: str) -> dict[str, frozenset[str]]:
@@ -217,7 +220,7 @@ class ModelRegistry:
         for a deployment: nothing)."""
         held: set[str] | None = None
         for deployment in deployments:
-            for report in self.reports(deployment) or [Report(deployment, "", frozenset(), 0, {})]:
+            for report in self.reports(deployment) or [Report(deployment, "", frozenset(), {})]:
                 held = set(report.holds) if held is None else held & report.holds
         return held or set()
 

@@ -339,6 +339,12 @@ class StageGroup:
             if task is not None:
                 task.cancel()
 
+    async def leave(self) -> None:
+        """The replica is stopping: its report leaves the registry now."""
+        self.stop()
+        if self._registry is not None:
+            await asyncio.to_thread(self._registry.leave, self._deployment, self._replica)
+
     async def _follow(self) -> None:
         """Every POLL_S: report what this replica holds, and start syncing with the desired
         state unless a sync (a version loading: seconds, minutes on a GPU) still runs. The

@@ -1,0 +1,112 @@
+"""The model registry on a real Ray instance (serve_app/models/registry_actor.py): one actor
+per application instance, copies kept current by a long poll, heartbeats, expiry, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+from support import until
+
+from serve_app.models import registry_actor
+from serve_app.models.registry import FRESH_S, ModelRegistry
+from serve_app.models.registry_actor import ActorStore, actor_name
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def instance(ray_cluster):
+    name = uuid.uuid4().hex
+    yield name
+    import ray
+
+    for store in _stores.pop(name, []):
+        store.close()
+    ray.kill(ray.get_actor(actor_name(name), namespace=registry_actor.NAMESPACE))
+
+
+_stores: dict[str, list[ActorStore]] = {}
+
+
+def _registry(instance: str) -> ModelRegistry:
+    store = ActorStore(instance)
+    _stores.setdefault(instance, []).append(store)
+    return ModelRegistry(store, instance)
+
+
+async def test_a_write_reaches_every_replicas_copy_without_polling(instance) -> None:
+    first, second = _registry(instance), _registry(instance)
+    assert first.start(["m/1"]) == {"m/1": "serve"}
+    assert second.start(["m/0"]) == {"m/1": "serve"}  # the first one's state, not its own
+    first.set_state(["m/2"], "serve")
+    await until(lambda: second.desired() == {"m/1": "serve", "m/2": "serve"}, 5)
+    second.report("Inference", "r2", ["m/1"], address="127.0.0.1:9100")
+    await until(lambda: first.ports("Inference") == {"127.0.0.1:9100": frozenset({"m/1"})}, 5)
+
+
+async def test_steady_state_costs_a_replica_one_call_a_second_and_a_gone_one_expires(
+    instance,
+) -> None:
+    """Replicas report every POLL_S and read at will; unchanged, a report goes to the actor
+    once a HEARTBEAT_S, and no watch wakes. A replica that stops reporting (killed: no
+    leave) is gone FRESH_S later; one that leaves, at once."""
+    import ray
+
+    replicas = [_registry(instance) for _ in range(3)]
+    replicas[0].start(["m/1"])
+    actor = ray.get_actor(actor_name(instance), namespace=registry_actor.NAMESPACE)
+    for number, replica in enumerate(replicas):  # the first reports: changes, watches wake
+        replica.report("Inference", f"r{number}", ["m/1"])
+    await until(lambda: all(len(r.reports("Inference")) == 3 for r in replicas), 5)
+    seconds = 5.0
+    before = ray.get(actor.calls.remote())
+    ended = time.monotonic() + seconds
+    while time.monotonic() < ended:
+        for number, replica in enumerate(replicas):
+            await asyncio.to_thread(replica.report, "Inference", f"r{number}", ["m/1"])
+            assert replica.desired() == {"m/1": "serve"}  # a read: from the copy
+        await asyncio.sleep(0.25)
+    after = ray.get(actor.calls.remote())
+    calls = {name: after.get(name, 0) - before.get(name, 0) for name in after}
+    per_replica_s = sum(calls.values()) / len(replicas) / seconds
+    assert per_replica_s <= 1.2, calls  # a heartbeat a second
+    # no watch woke: at most each replica's re-armed after the first reports' last change
+    assert calls.get("watch", 0) <= len(replicas) and calls.get("snapshot", 0) == 0
+    replicas[1].leave("Inference", "r1")
+    await until(lambda: len(replicas[0].reports("Inference")) == 2, 2)
+    started = time.monotonic()
+    while len(replicas[0].reports("Inference")) > 1:  # r2 stopped reporting: it expires
+        await asyncio.to_thread(replicas[0].report, "Inference", "r0", ["m/1"])
+        assert time.monotonic() - started < FRESH_S + 3
+        await asyncio.sleep(0.25)
+    assert [report.replica for report in replicas[0].reports("Inference")] == ["r0"]
+
+
+async def test_a_restarted_registry_keeps_the_desired_state_and_gets_the_reports_back(
+    instance,
+) -> None:
+    import ray
+
+    replica = _registry(instance)
+    replica.start(["m/1"])
+    replica.set_state(["m/1"], "drain")
+    actor = ray.get_actor(actor_name(instance), namespace=registry_actor.NAMESPACE)
+    ray.kill(actor, no_restart=False)
+    await until(lambda: _alive(actor), 30)
+    fresh = _registry(instance)
+    assert fresh.desired() == {"m/1": "drain"}  # kept in the GCS across the restart
+    await asyncio.to_thread(replica.report, "Inference", "r0", ["m/1"])
+    await until(lambda: [r.replica for r in fresh.reports("Inference")] == ["r0"], 10)
+
+
+def _alive(actor) -> bool:
+    import ray
+
+    try:
+        ray.get(actor.calls.remote(), timeout=1)
+    except Exception:
+        return False
+    return True
