@@ -33,6 +33,7 @@ from serve_app.models.registry import POLL_S, ModelRegistry
 from serve_app.models.registry_actor import ActorStore
 from serve_app.observability.logs import to_serve_log
 from serve_app.observability.metrics import resident_memory_bytes
+from serve_app.pipeline.route import route
 from serve_app.pipeline.topology import StageChain, StageGroup, initial_versions
 from serve_app.protocol import v1
 from serve_app.protocol.oip import OpenInferenceService
@@ -74,6 +75,7 @@ class Ingress:
                 self._config.shared_images_bytes,
             )
             logger.info("stage calls from the ingress: %s", chain.transport)
+            logger.info("the route: %s", "; ".join(map(str, route(self._config))))
             info, run = chain.info, chain.run
             self._chain = chain
             stage_deployments = deployment_names(self._config.topology)
@@ -121,7 +123,11 @@ class Ingress:
             ],
         )
         self._server.add_generic_rpc_handlers(
-            (v1.ClassifierService(self._core, self._streams).handler(),)
+            (
+                v1.ClassifierService(
+                    self._core, self._streams, tuple(map(str, route(self._config)))
+                ).handler(),
+            )
         )
         self._server.add_generic_rpc_handlers(
             (OpenInferenceService(self._core, self._streams, self._models).handler(),)

@@ -112,9 +112,12 @@ async def _parsed(messages: AsyncIterator[bytes]) -> AsyncIterator[_Read]:
 
 
 class ClassifierService:
-    def __init__(self, core: ServingCore, streams: StreamRunner) -> None:
+    def __init__(
+        self, core: ServingCore, streams: StreamRunner, route: tuple[str, ...] = ()
+    ) -> None:
         self._core = core
         self._streams = streams
+        self._route = route  # serve_app/pipeline/route.py, as ModelInfo.route
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The service's methods; Classify and ClassifyOnce answer with bytes as they are."""
@@ -253,4 +256,5 @@ class ClassifierService:
             precision=engine.precision,
             embedding_dim=engine.embedding_dim,
             embedding_space=model.embedding_space,
+            route=self._route,
         )

@@ -325,3 +325,36 @@ def test_autoscaled_stage_deployments_count_their_port_calls(tmp_path: Path) -> 
                 fields = {**AutoscalingConfig.default().model_dump(exclude_unset=True), **fields}
             built = AutoscalingConfig(**fields)
             assert built.policy.policy_function == policies[d["name"]]["policy_function"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({"topology": "direct"}, []),
+        ({"topology": "fused"}, ["Ingress -> Inference: Serve handle"]),
+        (
+            {"topology": "chained"},
+            [
+                "Ingress -> Preprocess: Serve handle",
+                "Ingress -> Inference: Serve handle",
+                "Inference -> Postprocess: Serve handle",
+            ],
+        ),
+        (
+            {"topology": [["preprocess", "inference"], ["postprocess"]], "stage_calls": "port"},
+            [
+                "Ingress -> Inference: stage port (mutual HMAC, no pickle, no TLS), Serve handle "
+                "where no port answers",
+                "Inference -> Postprocess: stage port (mutual HMAC, no pickle, no TLS), Serve "
+                "handle where no port answers",
+            ],
+        ),
+    ],
+)
+def test_the_route_of_each_topology(settings, expected) -> None:
+    """One description of who calls whom and how (serve_app/pipeline/route.py), which the
+    ready line and ModelInfo.route print."""
+    from serve_app.config import AppConfig
+    from serve_app.pipeline.route import route
+
+    assert [str(hop) for hop in route(AppConfig.model_validate(settings))] == expected

@@ -113,7 +113,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "version", "engine", "input_shape", "num_classes", "max_batch_size", "precision", "embedding_dim", "embedding_space")
+    __slots__ = ("name", "version", "engine", "input_shape", "num_classes", "max_batch_size", "precision", "embedding_dim", "embedding_space", "route")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class ModelInfo(_message.Message):
     PRECISION_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_DIM_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_SPACE_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     engine: str
@@ -132,4 +133,5 @@ class ModelInfo(_message.Message):
     precision: str
     embedding_dim: int
     embedding_space: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., engine: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., precision: _Optional[str] = ..., embedding_dim: _Optional[int] = ..., embedding_space: _Optional[str] = ...) -> None: ...
+    route: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., engine: _Optional[str] = ..., input_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., precision: _Optional[str] = ..., embedding_dim: _Optional[int] = ..., embedding_space: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ...) -> None: ...
