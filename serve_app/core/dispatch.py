@@ -11,7 +11,7 @@ A free call slot is not taken by the first request to come while other calls are
 and requests arrive fast: it waits up to `gather_s` for more. Otherwise, under load, the
 answers of one call make its clients send again a few milliseconds later, and the first of
 those requests takes the slot alone and pays a whole call's cost: on the 2-core CPU machine
-(bench/scenarios/call-wait.yaml, one-image requests) a tenth of the calls carried one
+(the chained default on the echo engine, one-image requests) a tenth of the calls carried one
 request, and waiting 3 ms served 2-7% more at 8-10% less CPU an image.
 
 While slots are free, a queue that one call would take whole can instead go in several

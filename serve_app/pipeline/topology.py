@@ -44,8 +44,8 @@ T = TypeVar("T")
 
 # Serve's gRPC transport between replicas (`_by_reference=False`): a call's argument and
 # result travel in the call itself, not through Ray's object store and a streamed reply.
-# Measured on one H200 (bench/scenarios/gpu-transport.yaml), against the object store for
-# every call: one-image requests 1.16x the images/s, p50 at 5,000 img/s 35 against 46 ms; but
+# Measured on one H200 (the shipped GPU config), against the object store for every
+# call: one-image requests 1.16x the images/s, p50 at 5,000 img/s 35 against 46 ms; but
 # calls of 10-20 MB (32 requests of 8 photos) 0.63-0.77x. So a batch goes by value only up to
 # BY_VALUE_MAX_BYTES; a call's answers must fit the limit on messages,
 # RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH (4 MiB unless set), on both ends: calls go by value
