@@ -16,10 +16,12 @@ Ray prefixes every name with `ray_`). Named and labelled after Triton's `nv_infe
                                                for an identical image in flight)
     raystream_cache_eviction_total             entries the result cache dropped for room
     raystream_cache_bytes, raystream_cache_entries   its size now (gauges)
-    raystream_stage_calls_total{deployment,transport,outcome}   calls to a stage deployment
-                                               (`stage_calls: port`): transport port or
-                                               handle; outcome ok, error (the stage's
-                                               answer), link_down (went elsewhere)
+    raystream_stage_calls_total{callee,transport,outcome}   calls to the stage deployment
+                                               `callee` (`stage_calls: port`; Serve's own
+                                               `deployment` tag names the caller):
+                                               transport port or handle; outcome ok,
+                                               error (the stage's answer), link_down (the
+                                               port failed: the call went elsewhere)
 
 Serve adds the deployment, replica and application tags. A stage's mean time per request:
     rate(raystream_stage_duration_ms_total{stage="queue"}[1m])
@@ -150,10 +152,10 @@ class StageCallMetrics:
     def __init__(self) -> None:
         self._calls = Counter(
             "raystream_stage_calls_total",
-            tag_keys=("deployment", "transport", "outcome"),
+            tag_keys=("callee", "transport", "outcome"),
             description="Calls to a stage deployment, by transport (port, handle) and outcome "
             "(ok, error, link_down: the port failed and the call went elsewhere).",
         )
 
     def count(self, deployment: str, transport: str, outcome: str) -> None:
-        self._calls.inc(1, {"deployment": deployment, "transport": transport, "outcome": outcome})
+        self._calls.inc(1, {"callee": deployment, "transport": transport, "outcome": outcome})
