@@ -37,11 +37,11 @@ __all__ = [
 ALLOWED_FORMATS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "BMP", "GIF", "TIFF"})
 JPEG_FORMATS = ("JPEG", "MPO")
 # A JPEG is DCT-scaled (1/2, 1/4, 1/8) only while its short side stays at least this many
-# times the resize size. DCT scaling is a sharper filter than the bilinear resize of the
-# reference preprocessing (full decode, bilinear resize, crop). Scaled to the resize size
-# itself, a 512x512 photo's embedding fell to cosine 0.96 of the reference's; with 2x left
-# for the resize to 0.995-0.997, with 3x or more 0.9986-0.9999 (tests/unit/test_fidelity.py).
-DCT_HEADROOM = 3
+# times the resize size. DCT scaling filters otherwise than the bilinear resize of the
+# reference preprocessing (full decode, bilinear resize, crop): scaled to the resize size
+# itself, a 512x512 photo's embedding fell to cosine 0.96 of the reference's; with 2x left for
+# the resize 0.995-0.997, 3x 0.998-0.999, 4x 0.9993 or more (tests/fidelity.py's photos).
+DCT_HEADROOM = 4
 TRANSPOSING_ORIENTATIONS = frozenset({5, 6, 7, 8})  # EXIF orientations that swap the sides
 
 
