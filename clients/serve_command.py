@@ -371,10 +371,10 @@ class _Probe:
                 info = await stub.GetModelInfo(pb.ModelInfoRequest(), timeout=5.0)
         except grpc.aio.AioRpcError:
             return fallback
-        hops = "".join(f"\n  {hop}" for hop in info.route)
+        route = f", route {' | '.join(info.route)}" if info.route else ""
         return (
             f"model {info.name}/{info.version}, engine {info.engine} ({info.precision}), "
-            f"topology {app.topology}{hops}"
+            f"topology {app.topology}{route}"
         )
 
 
