@@ -21,6 +21,7 @@ from serve_app.core.messages import Answer, Batch, Served
 from serve_app.ingress.deployment import Ingress
 from serve_app.models.registry import ModelRegistry, RayStore
 from serve_app.observability.logs import to_serve_log
+from serve_app.observability.metrics import StageMetrics
 from serve_app.pipeline.autoscaling import PORT_CALLS
 from serve_app.pipeline.topology import StageGroup, StageHandle, initial_versions
 from serve_app.transport.stage_port import PortCalls, StagePort
@@ -61,6 +62,7 @@ class Stages:
         self._drain_s = config.limits.drain_timeout_s
         self._port = None
         self._port_calls_here = 0  # port calls in this group's own stages (autoscaling)
+        self._metrics = StageMetrics()
         if config.stage_calls == "port":
             self._port = StagePort(self._run_port_call, config.stage_token, then=self._pass_on)
             await self._port.start(ray.util.get_node_ip_address())
@@ -95,10 +97,12 @@ class Stages:
         (Serve's autoscaler, serve_app/pipeline/autoscaling.py); the port then passes the result on
         (`_pass_on`), no longer counted."""
         self._port_calls_here += 1
+        self._metrics.port_calls.set(self._port_calls_here)
         try:
             return await self._group.run(batch)
         finally:
             self._port_calls_here -= 1
+            self._metrics.port_calls.set(self._port_calls_here)
 
     async def _pass_on(self, batch: Batch) -> Batch | list[Answer]:
         return batch if self._next is None else await self._next.run(batch)
