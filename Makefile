@@ -11,7 +11,8 @@ MODEL_STAMP := $(MODELS)/efficientnet-lite0
 TRITON_VENV := .venv-triton
 TRITON_STAMP := $(TRITON_VENV)/.installed-stamp
 
-.PHONY: setup model serve test test-cluster test-gpu lint format protos clean triton-client
+.PHONY: setup model serve test test-cluster test-gpu lint format protos clean triton-client \
+	perf-analyzer
 
 # A venv with the pinned project; redone when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -39,7 +40,29 @@ $(TRITON_STAMP):
 
 triton-client: $(TRITON_STAMP)
 
-test: model triton-client
+# Triton's perf_analyzer (bench/perf_analyzer.sh runs it). tritonclient's wheels shipped it up
+# to 2.60.0; 2.51.0 is the last whose binary runs on glibc 2.36 (Debian 12), and it links two
+# libraries Debian lacks or PyPI has: libb64 (Debian's libb64-0d, unpacked here without root)
+# and CUDA's runtime (loaded, unused without a GPU). The `perf-analyzer` PyPI package is a
+# placeholder.
+PERF_VENV := .venv-perf-analyzer
+PERF_STAMP := $(PERF_VENV)/.installed-stamp
+$(PERF_STAMP):
+	$(PYTHON) -m venv $(PERF_VENV)
+	$(PERF_VENV)/bin/python -m pip install -q --no-deps 'tritonclient==2.51.0' \
+		'nvidia-cuda-runtime-cu12==12.9.79'
+	mkdir -p $(PERF_VENV)/libs
+	cd $(PERF_VENV)/libs && { apt-get download libb64-0d=1.2-5+b1 2>/dev/null || \
+		{ apt-get update -qq && apt-get download libb64-0d=1.2-5+b1; }; } && \
+		dpkg-deb -x libb64-0d_1.2-5+b1_amd64.deb deb && \
+		ln -sf deb/usr/lib/x86_64-linux-gnu/libb64.so.0d . && \
+		ln -sf ../lib/python*/site-packages/nvidia/cuda_runtime/lib/libcudart.so.12 .
+	bench/perf_analyzer.sh --version
+	touch $@
+
+perf-analyzer: $(PERF_STAMP)
+
+test: model triton-client perf-analyzer
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -m "not cluster" $(PYTEST_ARGS)
 
@@ -77,4 +100,4 @@ protos: setup
 		protos/raystream/oip/grpc_predict_v2.proto
 
 clean:
-	rm -rf $(VENV) $(TRITON_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TRITON_VENV) $(PERF_VENV) .pytest_cache .ruff_cache

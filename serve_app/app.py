@@ -22,7 +22,7 @@ from serve_app.ingress.deployment import Ingress
 from serve_app.models.registry import ModelRegistry
 from serve_app.models.registry_actor import ActorStore
 from serve_app.observability.logs import to_serve_log
-from serve_app.observability.metrics import StageCallMetrics
+from serve_app.observability.metrics import StageCallMetrics, StageMetrics
 from serve_app.pipeline.autoscaling import PORT_CALLS
 from serve_app.pipeline.topology import StageGroup, StageHandle, initial_versions
 from serve_app.transport.stage_port import PortCalls, StagePort
@@ -63,6 +63,7 @@ class Stages:
         self._drain_s = config.limits.drain_timeout_s
         self._port = None
         self._port_calls_here = 0  # port calls in this group's own stages (autoscaling)
+        self._metrics = StageMetrics()
         if config.stage_calls == "port":
             self._port = StagePort(
                 self._run_port_call,
@@ -104,10 +105,12 @@ class Stages:
         (Serve's autoscaler, serve_app/pipeline/autoscaling.py); the port then passes the result on
         (`_pass_on`), no longer counted."""
         self._port_calls_here += 1
+        self._metrics.port_calls.set(self._port_calls_here)
         try:
             return await self._group.run(batch)
         finally:
             self._port_calls_here -= 1
+            self._metrics.port_calls.set(self._port_calls_here)
 
     async def _pass_on(self, batch: Batch) -> Batch | list[Answer]:
         return batch if self._next is None else await self._next.run(batch)

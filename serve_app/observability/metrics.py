@@ -9,6 +9,12 @@ Ray prefixes every name with `ray_`). Named and labelled after Triton's `nv_infe
                                                summed over requests answered OK (Triton's
                                                nv_inference_*_duration_us counters)
     raystream_batch_size                       images per engine batch (histogram)
+    raystream_engine_image_total               images through the engine: over the batches'
+                                               count, the exact mean batch size
+    raystream_stage_port_calls_in_flight       stage calls over a replica's own port that its
+                                               stages hold (gauge; Serve's
+                                               ray_serve_replica_processing_queries counts
+                                               only the calls by handle)
     raystream_requests_in_flight               requests being answered (gauge)
     raystream_rejected_request_total{code}     requests refused: overload, duplicate id, limits
     raystream_cache_image_total{result}        images looked up in the result cache (cache.enabled):
@@ -43,7 +49,10 @@ from collections.abc import Mapping
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 LATENCY_MS = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
-BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+# Ray's metrics agent exports a histogram's sum as its buckets' midpoints (the lowest bucket's
+# from 0): bounds between the integers put sizes 1 and 2 at their own midpoints, where [0, 1]
+# showed a batch of 1 as 0.5. The exact mean comes from raystream_engine_image_total.
+BATCH_SIZES = [0.5, 1.5, 2.5, 4.5, 8.5, 16.5, 32.5, 64.5, 128.5, 256.5, 512.5]
 REJECTED_CODES = {"RESOURCE_EXHAUSTED", "ALREADY_EXISTS", "INVALID_ARGUMENT"}
 
 
@@ -143,6 +152,26 @@ class InferenceMetrics:
     def __init__(self) -> None:
         self.batch_size = Histogram(
             "raystream_batch_size", boundaries=BATCH_SIZES, description="Images per engine batch."
+        )
+        self.images = Counter(
+            "raystream_engine_image_total", description="Images through the engine."
+        )
+
+    def record_batch(self, images: int) -> None:
+        """One engine batch of `images`."""
+        self.batch_size.observe(images)
+        if images:  # Ray's counters refuse increments of 0
+            self.images.inc(images)
+
+
+class StageMetrics:
+    """A stage replica's calls over its own port (stage_calls: port), which Serve does not
+    see: set as each call starts and ends, one Ray call each (a call carries many requests)."""
+
+    def __init__(self) -> None:
+        self.port_calls = Gauge(
+            "raystream_stage_port_calls_in_flight",
+            description="Stage calls over this replica's port that its stages hold.",
         )
 
 

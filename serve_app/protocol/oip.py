@@ -314,7 +314,9 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
             versions=[v.version if isinstance(v, Served) else v for v in versions],
             platform=f"raystream_{engine.engine}",
             inputs=[
-                tensor(name=INPUT, datatype="BYTES", shape=[-1]),
+                # [-1, 1], as Triton reports ModelConfig's dims [1]: a tool that takes the
+                # shape of one item from here (perf_analyzer) needs it non-empty
+                tensor(name=INPUT, datatype="BYTES", shape=[-1, 1]),
                 tensor(name=PIXELS, datatype="FP32", shape=[-1, *engine.input_shape]),
             ],
             outputs=[
@@ -359,10 +361,15 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
                     specific=oip.ModelVersionPolicy.Specific(versions=versions)
                 ),
                 max_batch_size=engine.max_batch_size,
+                # A request carries one of the two: both optional, as Triton's tools
+                # (perf_analyzer) then send only the inputs they are given data for.
                 input=[
-                    oip.ModelInput(name=INPUT, data_type=oip.TYPE_STRING, dims=[1]),
+                    oip.ModelInput(name=INPUT, data_type=oip.TYPE_STRING, dims=[1], optional=True),
                     oip.ModelInput(
-                        name=PIXELS, data_type=oip.TYPE_FP32, dims=list(engine.input_shape)
+                        name=PIXELS,
+                        data_type=oip.TYPE_FP32,
+                        dims=list(engine.input_shape),
+                        optional=True,
                     ),
                 ],
                 output=outputs,

@@ -408,7 +408,7 @@ class InferenceStage:
             )
         inference_ms = ms_since(start)
         self.images_inferred += len(pixels)
-        self._metrics.batch_size.observe(len(pixels))
+        self._metrics.record_batch(len(pixels))
         bounds = itertools.accumulate((len(piece) for piece in pieces), initial=0)
         return [
             _Ran(outputs.rows(lo, hi), start, inference_ms, len(pixels))

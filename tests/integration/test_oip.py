@@ -39,6 +39,7 @@ async def test_model_infer_returns_probabilities_and_labels(server, photos) -> N
         assert (await stub.ModelReady(oip.ModelReadyRequest(name="efficientnet-lite0"))).ready
         meta = await stub.ModelMetadata(oip.ModelMetadataRequest(name="efficientnet-lite0"))
         assert meta.inputs[0].datatype == "BYTES" and list(meta.outputs[0].shape) == [-1, 1000]
+        assert list(meta.inputs[0].shape) == [-1, 1]  # as ModelConfig's dims [1]: perf_analyzer
 
         reply = await stub.ModelInfer(
             _request(

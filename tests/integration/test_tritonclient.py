@@ -45,6 +45,7 @@ def test_tritonclient_infers_streams_loads_and_unloads(server, model, photos, tm
     assert seen["stream"]["0"] in CATS and seen["stream"]["2"] in {967, 968, 504}
     assert len(seen["stream_errors"]) == 1 and "INVALID_ARGUMENT" in seen["stream_errors"][0]
     assert seen["config"]["inputs"] == ["images", "pixels"]
+    assert seen["config"]["optional"] == [True, True]  # a request carries one of them
     assert seen["config"]["outputs"][:2] == ["probabilities", "labels"]
     assert seen["config"]["max_batch_size"] >= 1
     old = str(int(new) - 1)

@@ -70,6 +70,7 @@ def main() -> None:
     seen["config"] = {
         "max_batch_size": config.max_batch_size,
         "inputs": [i.name for i in config.input],
+        "optional": [i.optional for i in config.input],
         "outputs": [o.name for o in config.output],
     }
     index = client.get_model_repository_index().models
