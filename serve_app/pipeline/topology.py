@@ -186,7 +186,10 @@ class ModelStages:
 
     def info(self) -> Served:
         spec = self.spec
-        return Served(spec.name, spec.version, self.inference.info, spec.embedding_space)
+        label_bytes = max((len(label.encode()) for label in spec.labels), default=0)
+        return Served(
+            spec.name, spec.version, self.inference.info, spec.embedding_space, label_bytes
+        )
 
     async def close(self) -> None:
         if self.inference is not None:

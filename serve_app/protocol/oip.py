@@ -113,12 +113,24 @@ def _images(request: oip.ModelInferRequest) -> tuple[bytes, ...]:
     return tuple(images)
 
 
+# Requested outputs a request may list: the three outputs, or labels under a few names, with
+# room to spare. Each output is a tensor of every image's rows: a request listing one output
+# 100 times once built an answer 100 times the size, in every stage, before the send limit
+# refused it.
+MAX_REQUESTED_OUTPUTS = 8
+
+
 def _outputs(request: oip.ModelInferRequest, embedding_dim: int) -> tuple[OipOutput, ...]:
-    """Requested outputs: every class's probability, k labels, or the embedding."""
-    outputs = []
-    for output in request.outputs or [
-        oip.ModelInferRequest.InferRequestedOutputTensor(name=SCORES)
-    ]:
+    """Requested outputs: every class's probability, k labels, or the embedding. An output
+    listed twice alike is answered once (as raystream.v1's `outputs`); listed twice with
+    different parameters, or more than MAX_REQUESTED_OUTPUTS outputs: INVALID_ARGUMENT."""
+    requested = request.outputs or [oip.ModelInferRequest.InferRequestedOutputTensor(name=SCORES)]
+    if len(requested) > MAX_REQUESTED_OUTPUTS:
+        raise InvalidArgument(
+            f"{len(requested)} outputs requested, over the limit of {MAX_REQUESTED_OUTPUTS}"
+        )
+    outputs: dict[str, OipOutput] = {}
+    for output in requested:
         k = (
             output.parameters["classification"].int64_param
             if ("classification" in output.parameters)
@@ -134,15 +146,19 @@ def _outputs(request: oip.ModelInferRequest, embedding_dim: int) -> tuple[OipOut
                 "for classification"
             )
         if output.name == SCORES and not k:
-            outputs.append(OipOutput(SCORES, "probabilities"))
+            wanted = OipOutput(SCORES, "probabilities")
         elif output.name == LABELS or k:
-            outputs.append(OipOutput(output.name, "labels", k or DEFAULT_TOP_K))
+            wanted = OipOutput(output.name, "labels", k or DEFAULT_TOP_K)
         elif output.name == EMBEDDING:  # checked against the model by the caller
-            outputs.append(OipOutput(EMBEDDING, "embedding"))
+            wanted = OipOutput(EMBEDDING, "embedding")
         else:
             names = f"{SCORES}, {LABELS}" + (f", {EMBEDDING}" if embedding_dim else "")
             raise InvalidArgument(f"unknown output {clip(output.name)!r}; outputs: {names}")
-    return tuple(outputs)
+        if outputs.setdefault(wanted.name, wanted) != wanted:
+            raise InvalidArgument(
+                f"output {clip(wanted.name)!r} requested twice with different parameters"
+            )
+    return tuple(outputs.values())
 
 
 class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
@@ -205,6 +221,7 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
             model=model.key,
         )
         core.check_count(job.count)
+        core.check_answer_size(job, model)
         return job, budget_s(0, context)
 
     async def _infer(self, request: oip.ModelInferRequest | None, context, stream: str) -> Answer:
