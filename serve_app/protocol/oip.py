@@ -34,7 +34,9 @@ from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from serve_app.core.messages import Answer, Job, OipOutput, Served
 from serve_app.core.serving import ServingCore
 from serve_app.errors import (
+    MAX_MESSAGE_CHARS,
     InvalidArgument,
+    ModelControlOff,
     RaystreamError,
     clip,
     code_for,
@@ -163,12 +165,18 @@ def _outputs(request: oip.ModelInferRequest, embedding_dim: int) -> tuple[OipOut
 
 class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
     def __init__(
-        self, core: ServingCore, streams: StreamRunner, models: ModelLifecycle | None = None
+        self,
+        core: ServingCore,
+        streams: StreamRunner,
+        models: ModelLifecycle | None = None,
+        model_control: bool = False,
     ) -> None:
-        """`models`: loads and unloads versions (the repository extension); None: absent."""
+        """`models`: the repository extension (index, load, unload); `model_control`: loads
+        and unloads allowed (else refused: FAILED_PRECONDITION)."""
         self._core = core
         self._streams = streams
         self._models = models
+        self._model_control = model_control
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The service's methods, where bytes that are not the method's request are answered
@@ -322,7 +330,7 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
         try:
             model = core.check_model(request.name, request.version, default=False)
         except RaystreamError as exc:
-            await context.abort(grpc.StatusCode[code_name(exc.code)], str(exc))
+            await context.abort(grpc.StatusCode[code_name(exc.code)], message_for(exc))
         tensor = oip.ModelMetadataResponse.TensorMetadata
         engine = model.engine
         versions = [request.version] if request.version else core.versions(model.name)
@@ -354,7 +362,7 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
         try:
             model = core.check_model(request.name, request.version, default=False)
         except RaystreamError as exc:
-            await context.abort(grpc.StatusCode[code_name(exc.code)], str(exc))
+            await context.abort(grpc.StatusCode[code_name(exc.code)], message_for(exc))
         engine = model.engine
         outputs = [
             oip.ModelOutput(name=SCORES, data_type=oip.TYPE_FP32, dims=[engine.num_classes]),
@@ -402,7 +410,9 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
         warmed on every replica before it takes traffic; its other versions are then
         unloaded. Returns once the versions serve."""
         try:
-            latest, versions = _version_policy(request.parameters)
+            self._check_model_control()
+            # a thread: even a bounded parse must not hold the other clients' event loop
+            latest, versions = await asyncio.to_thread(_version_policy, request.parameters)
             name = request.model_name
             if "/" in name:  # raystream: "name/version" loads that version beside the others
                 name, version = parse_model_name(name)
@@ -410,40 +420,87 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
             else:
                 await self._models.load(name, latest, versions)
         except RaystreamError as exc:
-            await context.abort(grpc.StatusCode[code_name(exc.code)], str(exc))
+            await context.abort(grpc.StatusCode[code_name(exc.code)], message_for(exc))
         return oip.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request, context):
         """Unload every version of `model_name` (or "name/version": that one) once the
         requests in flight for it are answered; new requests for it get NOT_FOUND."""
         try:
+            self._check_model_control()
             await self._models.unload(request.model_name)
         except RaystreamError as exc:
-            await context.abort(grpc.StatusCode[code_name(exc.code)], str(exc))
+            await context.abort(grpc.StatusCode[code_name(exc.code)], message_for(exc))
         return oip.RepositoryModelUnloadResponse()
+
+    def _check_model_control(self) -> None:
+        if not self._model_control:
+            raise ModelControlOff(
+                "model control is off: this server does not load or unload models at run "
+                "time; turn it on with `model_control: {enabled: true}` in the application's "
+                "args (docs/operations.md)"
+            )
+
+
+# The `config` parameter of RepositoryModelLoad: a model configuration is a few hundred bytes.
+MAX_CONFIG_CHARS = 64 * 1024
+MAX_CONFIG_DEPTH = 16
 
 
 def _version_policy(parameters) -> tuple[int | None, tuple[str, ...]]:
     """(latest, versions) from the `config` parameter's version_policy, as Triton reads it:
-    {"latest": {"num_versions": N}}, {"specific": {"versions": [...]}} or {"all": {}}."""
+    {"latest": {"num_versions": N}}, {"specific": {"versions": [...]}} or {"all": {}}.
+    A config past MAX_CONFIG_CHARS, or nested past MAX_CONFIG_DEPTH, is refused unread."""
     if "config" not in parameters:
         return None, ()
+    config = parameters["config"].string_param
+    if len(config) > MAX_CONFIG_CHARS:
+        raise InvalidArgument(
+            f"config parameter is {len(config):,} characters, over the limit of "
+            f"{MAX_CONFIG_CHARS:,}"
+        )
+    too_deep = InvalidArgument(f"config parameter is nested deeper than {MAX_CONFIG_DEPTH} levels")
     try:
-        policy = json.loads(parameters["config"].string_param).get("version_policy") or {}
+        parsed = json.loads(config)
+    except RecursionError:
+        raise too_deep from None
+    except ValueError as exc:
+        raise InvalidArgument(f"config parameter is not JSON: {exc}") from None
+    if _depth(parsed) > MAX_CONFIG_DEPTH:
+        raise too_deep
+    try:
+        policy = parsed.get("version_policy") or {}
         if "latest" in policy:
             count = policy["latest"].get("num_versions", 1)
             if type(count) is not int or count < 1:
-                raise ValueError(f"latest.num_versions must be an integer >= 1, got {count!r}")
+                raise ValueError(
+                    f"latest.num_versions must be an integer >= 1, got {clip(repr(count))}"
+                )
             return count, ()
         if "specific" in policy:
             listed = policy["specific"]["versions"]
             if not isinstance(listed, list) or not listed:
-                raise ValueError(f"specific.versions must be a non-empty list, got {listed!r}")
+                raise ValueError(
+                    f"specific.versions must be a non-empty list, got {clip(repr(listed))}"
+                )
             return None, tuple(str(v) for v in listed)
         if "all" in policy:
             return 1 << 30, ()
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise InvalidArgument(f"config parameter: {exc}") from None
+        raise InvalidArgument(f"config parameter: {clip(str(exc), MAX_MESSAGE_CHARS)}") from None
     if policy:
         raise InvalidArgument(f"unknown version_policy {clip(str(policy))}")
     return None, ()
+
+
+def _depth(value: object) -> int:
+    """How deep JSON `value` nests (a scalar: 0), without recursion."""
+    deepest, pending = 0, [(value, 0)]
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, dict):
+            value = list(value.values())
+        if isinstance(value, list):
+            deepest = max(deepest, depth + 1)
+            pending.extend((item, depth + 1) for item in value)
+    return deepest

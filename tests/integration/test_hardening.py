@@ -353,3 +353,22 @@ async def test_an_oip_output_requested_twice_is_answered_once(hardened, photos) 
             await infer(_oip_request([photos["coffee"]], [("labels", 3), ("labels", 5)]))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "'labels' requested twice with different parameters" in refused.value.details()
+
+
+async def test_model_control_is_off_by_default(hardened, photos) -> None:
+    """Loads and unloads are refused, saying how to turn them on, and the model keeps
+    serving. Before, any client that could infer could unload the model served."""
+    model = "efficientnet-lite0"
+    async with grpc.aio.insecure_channel(hardened[0]) as channel:
+        stub = oip_grpc.GRPCInferenceServiceStub(channel)
+        for call, request in (
+            (stub.RepositoryModelUnload, oip.RepositoryModelUnloadRequest(model_name=model)),
+            (stub.RepositoryModelLoad, oip.RepositoryModelLoadRequest(model_name=model)),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call(request)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "model_control: {enabled: true}" in refused.value.details()
+        assert (await stub.ModelReady(oip.ModelReadyRequest(name=model))).ready
+        reply = await stub.ModelInfer(_oip_request([photos["coffee"]], [("labels", 1)]))
+        assert list(reply.outputs[0].shape) == [1, 1]
