@@ -260,7 +260,24 @@ class ModelLifecycle:
                     break
         finally:
             await asyncio.to_thread(self._registry.remove, keys, "drain")
+        await self._until_dropped(keys)
         logger.info("unloaded %s", keys)
+
+    async def _until_dropped(self, keys: list[str]) -> None:
+        """Waits until no stage replica holds `keys`: an unload answered before then, and a
+        load of the version sent at once, found it still held and served it from the files
+        it was loaded from (their change unread), with its engine's memory never returned."""
+        deadline = time.monotonic() + self._drain_timeout_s + 4 * POLL_S
+        while True:
+            held = set()
+            for deployment in self._stages:
+                held |= await asyncio.to_thread(self._registry.held_anywhere, deployment)
+            if not held.intersection(keys):
+                return
+            if time.monotonic() > deadline:
+                logger.warning("%s still held by stage replicas after their unload", keys)
+                return
+            await asyncio.sleep(POLL_S)
 
     # -- the repository index -------------------------------------------------------------------
 
