@@ -92,6 +92,27 @@ class SecurityConfig(_Strict):
         return self
 
 
+class ModelControlConfig(_Strict):
+    """Loading and unloading model versions at run time: the Open Inference Protocol's
+    RepositoryModelLoad and RepositoryModelUnload (`raystream models load|unload`). Off by
+    default, as in Triton's default model control mode: else any client that may infer
+    could unload the model served."""
+
+    enabled: bool = False  # off: loads and unloads are refused (FAILED_PRECONDITION)
+    # If set, loads and unloads need "authorization: Bearer <this token>", and the inference
+    # token (security.auth_token_file) does not do: a credential of their own.
+    token_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _token_needs_control(self) -> ModelControlConfig:
+        if self.token_file is not None:
+            if not self.enabled:
+                raise ValueError("model_control.token_file needs model_control.enabled: true")
+            if not self.token_file.is_file():
+                raise ValueError(f"{self.token_file} does not exist")
+        return self
+
+
 class CacheConfig(_Strict):
     """The ingress' result cache (serve_app/core/result_cache.py): answers of images already seen,
     per ingress replica, and one engine pass for identical images in flight at once."""
@@ -140,6 +161,7 @@ class AppConfig(_Strict):
     engine: EngineConfig = EngineConfig()
     limits: LimitsConfig = LimitsConfig()
     security: SecurityConfig = SecurityConfig()
+    model_control: ModelControlConfig = ModelControlConfig()
     cache: CacheConfig = CacheConfig()
     preprocess_threads: int = Field(2, ge=1, le=64)  # PIL releases the GIL while decoding
     # Which deployments run the stages (serve_app/pipeline/topology.py): chained (Preprocess,

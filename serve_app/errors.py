@@ -30,6 +30,7 @@ class Code(IntEnum):
     NOT_FOUND = 5
     ALREADY_EXISTS = 6
     RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
     INTERNAL = 13
     UNAVAILABLE = 14
 
@@ -59,6 +60,12 @@ class ModelNotFound(RaystreamError):
 
 class DuplicateRequest(RaystreamError):
     code = Code.ALREADY_EXISTS
+
+
+class ModelControlOff(RaystreamError):
+    """A model load or unload where the config does not allow them (model_control)."""
+
+    code = Code.FAILED_PRECONDITION
 
 
 class Overloaded(RaystreamError):

@@ -283,6 +283,7 @@ def server(request, ray_cluster, two_versions: Path) -> str:
         shared_images_bytes=(64 << 20) if calls == "port" else 0,
         engine={"kind": "onnxruntime"},
         limits={"max_images_per_request": 16},
+        model_control={"enabled": True},  # test_tritonclient loads and unloads
     )
     request.config.raystream_ingress = handle  # for tests that inspect the ingress
     yield f"127.0.0.1:{port}"

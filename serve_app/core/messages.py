@@ -46,6 +46,7 @@ class Served:
     version: str
     engine: EngineInfo
     embedding_space: str  # ModelSpec.embedding_space: "" without an embedding output
+    label_bytes: int = 0  # the longest label's UTF-8 bytes (bounds an answer's size)
 
     @property
     def key(self) -> str:

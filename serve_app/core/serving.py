@@ -40,7 +40,7 @@ from serve_app.errors import (
 )
 from serve_app.models.registry import parse_model_name
 from serve_app.observability.metrics import IngressMetrics
-from serve_app.wire.answers import failed, with_ingress_times
+from serve_app.wire.answers import answer_bytes_bound, failed, with_ingress_times
 
 logger = logging.getLogger(__name__)
 # Calls sent again after losing a stage replica (_call): once covers a replica or node lost
@@ -195,6 +195,17 @@ class ServingCore:
         if count > limit:
             raise InvalidArgument(
                 f"request has {count} images, over the limit of {limit} per request"
+            )
+
+    def check_answer_size(self, job: Job, model: Served) -> None:
+        """Refuses, before any work, a request whose answer could pass the send limit
+        (`limits.max_message_bytes`): it would be built in every stage, then not sent."""
+        engine, limit = model.engine, self._limits.max_message_bytes
+        bound = answer_bytes_bound(job, engine.num_classes, engine.embedding_dim, model.label_bytes)
+        if bound > limit:
+            raise InvalidArgument(
+                f"the answer could reach {bound:,} bytes, over limits.max_message_bytes "
+                f"({limit:,}): ask for fewer images, outputs or labels in one request"
             )
 
     # -- admission and answers -----------------------------------------------------------------

@@ -110,8 +110,13 @@ class Ingress:
         model = self._core.check_model("")
         security = self._config.security
         interceptors = []
-        if security.auth_token_file is not None:
-            interceptors.append(TokenAuth(security.auth_token_file.read_text().strip()))
+        control = self._config.model_control
+        token, control_token = (
+            None if path is None else path.read_text().strip()
+            for path in (security.auth_token_file, control.token_file)
+        )
+        if token is not None or control_token is not None:
+            interceptors.append(TokenAuth(token, control_token))
         self._server = grpc.aio.server(
             interceptors=interceptors,
             options=[
@@ -130,7 +135,11 @@ class Ingress:
             )
         )
         self._server.add_generic_rpc_handlers(
-            (OpenInferenceService(self._core, self._streams, self._models).handler(),)
+            (
+                OpenInferenceService(
+                    self._core, self._streams, self._models, control.enabled
+                ).handler(),
+            )
         )
         # grpc.health.v1 (SERVING once the engine is warm) and server reflection, so
         # grpcurl-style tools list and call the services.

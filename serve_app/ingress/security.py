@@ -24,7 +24,11 @@ class TokenAuth(grpc.aio.ServerInterceptor):
     """Checks `authorization: Bearer <token>` before any handler runs. Liveness and readiness
     probes stay open (grpc.health.v1 and the Open Inference Protocol's ServerLive and
     ServerReady: they tell nothing but up or down), and so does reflection, so that load
-    balancers, Kubernetes probes and tools work without the token."""
+    balancers, Kubernetes probes and tools work without the token.
+
+    `token`: what every other call needs (None: none). `control_token` (model_control's
+    own): what model loads and unloads need instead, so that an inference client cannot
+    unload the model served (None: they need `token`, as every other call)."""
 
     OPEN_PREFIXES = (
         "/grpc.health.v1.Health/",
@@ -32,25 +36,42 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         "/inference.GRPCInferenceService/ServerLive",
         "/inference.GRPCInferenceService/ServerReady",
     )
+    CONTROL_METHODS = (
+        "/inference.GRPCInferenceService/RepositoryModelLoad",
+        "/inference.GRPCInferenceService/RepositoryModelUnload",
+    )
 
-    def __init__(self, token: str) -> None:
-        if not token:
-            raise ValueError("auth_token_file is empty")
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, token: str | None, control_token: str | None = None) -> None:
+        for given, field in ((token, "auth_token_file"), (control_token, "token_file")):
+            if given is not None and not given:
+                raise ValueError(f"{field} is empty")
+        self._expected = None if token is None else f"Bearer {token}".encode()
+        self._control = None if control_token is None else f"Bearer {control_token}".encode()
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None or details.method.startswith(self.OPEN_PREFIXES):
             return handler
-        given = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(str(given).encode(), self._expected):
+        expected, message = self._expected, INFERENCE_TOKEN
+        if self._control is not None and details.method in self.CONTROL_METHODS:
+            expected, message = self._control, CONTROL_TOKEN
+        if expected is None:
             return handler
-        return _deny(handler)
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(str(given).encode(), expected):
+            return handler
+        return _deny(handler, message)
 
 
-def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+INFERENCE_TOKEN = "missing or wrong bearer token in the 'authorization' metadata"
+CONTROL_TOKEN = (
+    "model loads and unloads need model_control's own bearer token in the 'authorization' "
+    "metadata (model_control.token_file): missing or wrong"
+)
+
+
+def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same shape that answers UNAUTHENTICATED and runs nothing."""
-    message = "missing or wrong bearer token in the 'authorization' metadata"
 
     async def unary(request, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)

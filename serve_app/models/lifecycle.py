@@ -21,11 +21,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from engines.repository import LOAD_FAILED, list_models, list_versions, select_versions
+from engines.repository import (
+    LOAD_FAILED,
+    is_entry_name,
+    list_models,
+    list_versions,
+    select_versions,
+)
 from serve_app.config import ModelEntry
 from serve_app.core.messages import Served
 from serve_app.core.serving import ServingCore
-from serve_app.errors import DeadlineExceeded, InvalidArgument, ModelNotFound, Unavailable, clip
+from serve_app.errors import (
+    MAX_MESSAGE_CHARS,
+    DeadlineExceeded,
+    InvalidArgument,
+    ModelNotFound,
+    Unavailable,
+    clip,
+)
 from serve_app.models.registry import POLL_S, ModelRegistry, key_of, parse_model_name, split_key
 
 logger = logging.getLogger(__name__)
@@ -131,10 +144,16 @@ class ModelLifecycle:
         (else its latest version)."""
         if latest is None and not versions and name in self._policies:
             latest, versions = self._policies[name].latest, self._policies[name].versions
+        # a client's names: no entry of the repository can be longer (its messages echo them)
+        if not is_entry_name(name):
+            raise ModelNotFound(f"model {clip(name)!r} is not in the model repository")
+        for version in versions:
+            if not is_entry_name(version):
+                raise ModelNotFound(f"model {clip(name)!r} has no version {clip(version)!r}")
         try:
             return select_versions(self._repository, name, latest, versions)
-        except LookupError as exc:
-            raise ModelNotFound(str(exc)) from None
+        except LookupError as exc:  # lists the versions missing: as many as the client sent
+            raise ModelNotFound(clip(str(exc), MAX_MESSAGE_CHARS)) from None
         except ValueError as exc:  # a policy no version fits: latest < 1
             raise InvalidArgument(str(exc)) from None
 
@@ -246,7 +265,24 @@ class ModelLifecycle:
                     break
         finally:
             await asyncio.to_thread(self._registry.remove, keys, "drain")
+        await self._until_dropped(keys)
         logger.info("unloaded %s", keys)
+
+    async def _until_dropped(self, keys: list[str]) -> None:
+        """Waits until no stage replica holds `keys`: an unload answered before then, and a
+        load of the version sent at once, found it still held and served it from the files
+        it was loaded from (their change unread), with its engine's memory never returned."""
+        deadline = time.monotonic() + self._drain_timeout_s + 4 * POLL_S
+        while True:
+            held = set()
+            for deployment in self._stages:
+                held |= await asyncio.to_thread(self._registry.held_anywhere, deployment)
+            if not held.intersection(keys):
+                return
+            if time.monotonic() > deadline:
+                logger.warning("%s still held by stage replicas after their unload", keys)
+                return
+            await asyncio.sleep(POLL_S)
 
     # -- the repository index -------------------------------------------------------------------
 

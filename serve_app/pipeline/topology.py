@@ -19,6 +19,8 @@ through the groups as a chain of handle calls (serve_app/ingress/deployment.py),
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import gc
 import logging
 import os
 from collections.abc import Awaitable, Callable, Coroutine
@@ -192,7 +194,10 @@ class ModelStages:
 
     def info(self) -> Served:
         spec = self.spec
-        return Served(spec.name, spec.version, self.inference.info, spec.embedding_space)
+        label_bytes = max((len(label.encode()) for label in spec.labels), default=0)
+        return Served(
+            spec.name, spec.version, self.inference.info, spec.embedding_space, label_bytes
+        )
 
     async def close(self) -> None:
         if self.inference is not None:
@@ -299,6 +304,7 @@ class StageGroup:
                 await self._unloading[key].close()  # waits for the batches its engine runs
             finally:
                 del self._unloading[key]
+            await asyncio.to_thread(return_freed_memory)
             logger.info("model %s unloaded", key)
         if self._stuck is None:  # a stuck replica reports its failures until it is replaced
             for key in [key for key in self.failed if key not in wanted]:
@@ -428,6 +434,29 @@ class StageGroup:
     @staticmethod
     def pid() -> int:
         return os.getpid()
+
+
+def return_freed_memory() -> None:
+    """Frees what an unloaded version left in reference cycles (cancelled tasks keep their
+    frames), then hands the heap's free pages back to the system (glibc's malloc_trim;
+    elsewhere nothing): a closed engine's buffers were freed by the threads that used them,
+    into their own malloc arenas, which glibc does not shrink by itself. Without both, each
+    unload/load cycle kept about 530 MB in an Inference replica (ONNX Runtime, 2-core CPU)."""
+    gc.collect()
+    if _libc is not None:
+        _libc.malloc_trim(0)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim  # noqa: B018 (musl and others have none)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_libc = _glibc()
 
 
 async def _within(limit_s: float, work: Coroutine[object, object, T]) -> T | None:

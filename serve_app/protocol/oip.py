@@ -34,7 +34,9 @@ from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from serve_app.core.messages import Answer, Job, OipOutput, Served
 from serve_app.core.serving import ServingCore
 from serve_app.errors import (
+    MAX_MESSAGE_CHARS,
     InvalidArgument,
+    ModelControlOff,
     RaystreamError,
     clip,
     code_for,
@@ -113,12 +115,24 @@ def _images(request: oip.ModelInferRequest) -> tuple[bytes, ...]:
     return tuple(images)
 
 
+# Requested outputs a request may list: the three outputs, or labels under a few names, with
+# room to spare. Each output is a tensor of every image's rows: a request listing one output
+# 100 times once built an answer 100 times the size, in every stage, before the send limit
+# refused it.
+MAX_REQUESTED_OUTPUTS = 8
+
+
 def _outputs(request: oip.ModelInferRequest, embedding_dim: int) -> tuple[OipOutput, ...]:
-    """Requested outputs: every class's probability, k labels, or the embedding."""
-    outputs = []
-    for output in request.outputs or [
-        oip.ModelInferRequest.InferRequestedOutputTensor(name=SCORES)
-    ]:
+    """Requested outputs: every class's probability, k labels, or the embedding. An output
+    listed twice alike is answered once (as raystream.v1's `outputs`); listed twice with
+    different parameters, or more than MAX_REQUESTED_OUTPUTS outputs: INVALID_ARGUMENT."""
+    requested = request.outputs or [oip.ModelInferRequest.InferRequestedOutputTensor(name=SCORES)]
+    if len(requested) > MAX_REQUESTED_OUTPUTS:
+        raise InvalidArgument(
+            f"{len(requested)} outputs requested, over the limit of {MAX_REQUESTED_OUTPUTS}"
+        )
+    outputs: dict[str, OipOutput] = {}
+    for output in requested:
         k = (
             output.parameters["classification"].int64_param
             if ("classification" in output.parameters)
@@ -134,25 +148,35 @@ def _outputs(request: oip.ModelInferRequest, embedding_dim: int) -> tuple[OipOut
                 "for classification"
             )
         if output.name == SCORES and not k:
-            outputs.append(OipOutput(SCORES, "probabilities"))
+            wanted = OipOutput(SCORES, "probabilities")
         elif output.name == LABELS or k:
-            outputs.append(OipOutput(output.name, "labels", k or DEFAULT_TOP_K))
+            wanted = OipOutput(output.name, "labels", k or DEFAULT_TOP_K)
         elif output.name == EMBEDDING:  # checked against the model by the caller
-            outputs.append(OipOutput(EMBEDDING, "embedding"))
+            wanted = OipOutput(EMBEDDING, "embedding")
         else:
             names = f"{SCORES}, {LABELS}" + (f", {EMBEDDING}" if embedding_dim else "")
             raise InvalidArgument(f"unknown output {clip(output.name)!r}; outputs: {names}")
-    return tuple(outputs)
+        if outputs.setdefault(wanted.name, wanted) != wanted:
+            raise InvalidArgument(
+                f"output {clip(wanted.name)!r} requested twice with different parameters"
+            )
+    return tuple(outputs.values())
 
 
 class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
     def __init__(
-        self, core: ServingCore, streams: StreamRunner, models: ModelLifecycle | None = None
+        self,
+        core: ServingCore,
+        streams: StreamRunner,
+        models: ModelLifecycle | None = None,
+        model_control: bool = False,
     ) -> None:
-        """`models`: loads and unloads versions (the repository extension); None: absent."""
+        """`models`: the repository extension (index, load, unload); `model_control`: loads
+        and unloads allowed (else refused: FAILED_PRECONDITION)."""
         self._core = core
         self._streams = streams
         self._models = models
+        self._model_control = model_control
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The service's methods, where bytes that are not the method's request are answered
@@ -205,6 +229,7 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
             model=model.key,
         )
         core.check_count(job.count)
+        core.check_answer_size(job, model)
         return job, budget_s(0, context)
 
     async def _infer(self, request: oip.ModelInferRequest | None, context, stream: str) -> Answer:
@@ -305,7 +330,7 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
         try:
             model = core.check_model(request.name, request.version, default=False)
         except RaystreamError as exc:
-            await context.abort(grpc.StatusCode[code_name(exc.code)], str(exc))
+            await context.abort(grpc.StatusCode[code_name(exc.code)], message_for(exc))
         tensor = oip.ModelMetadataResponse.TensorMetadata
         engine = model.engine
         versions = [request.version] if request.version else core.versions(model.name)
@@ -339,7 +364,7 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
         try:
             model = core.check_model(request.name, request.version, default=False)
         except RaystreamError as exc:
-            await context.abort(grpc.StatusCode[code_name(exc.code)], str(exc))
+            await context.abort(grpc.StatusCode[code_name(exc.code)], message_for(exc))
         engine = model.engine
         outputs = [
             oip.ModelOutput(name=SCORES, data_type=oip.TYPE_FP32, dims=[engine.num_classes]),
@@ -392,7 +417,9 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
         warmed on every replica before it takes traffic; its other versions are then
         unloaded. Returns once the versions serve."""
         try:
-            latest, versions = _version_policy(request.parameters)
+            self._check_model_control()
+            # a thread: even a bounded parse must not hold the other clients' event loop
+            latest, versions = await asyncio.to_thread(_version_policy, request.parameters)
             name = request.model_name
             if "/" in name:  # raystream: "name/version" loads that version beside the others
                 name, version = parse_model_name(name)
@@ -400,40 +427,87 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
             else:
                 await self._models.load(name, latest, versions)
         except RaystreamError as exc:
-            await context.abort(grpc.StatusCode[code_name(exc.code)], str(exc))
+            await context.abort(grpc.StatusCode[code_name(exc.code)], message_for(exc))
         return oip.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request, context):
         """Unload every version of `model_name` (or "name/version": that one) once the
         requests in flight for it are answered; new requests for it get NOT_FOUND."""
         try:
+            self._check_model_control()
             await self._models.unload(request.model_name)
         except RaystreamError as exc:
-            await context.abort(grpc.StatusCode[code_name(exc.code)], str(exc))
+            await context.abort(grpc.StatusCode[code_name(exc.code)], message_for(exc))
         return oip.RepositoryModelUnloadResponse()
+
+    def _check_model_control(self) -> None:
+        if not self._model_control:
+            raise ModelControlOff(
+                "model control is off: this server does not load or unload models at run "
+                "time; turn it on with `model_control: {enabled: true}` in the application's "
+                "args (docs/operations.md)"
+            )
+
+
+# The `config` parameter of RepositoryModelLoad: a model configuration is a few hundred bytes.
+MAX_CONFIG_CHARS = 64 * 1024
+MAX_CONFIG_DEPTH = 16
 
 
 def _version_policy(parameters) -> tuple[int | None, tuple[str, ...]]:
     """(latest, versions) from the `config` parameter's version_policy, as Triton reads it:
-    {"latest": {"num_versions": N}}, {"specific": {"versions": [...]}} or {"all": {}}."""
+    {"latest": {"num_versions": N}}, {"specific": {"versions": [...]}} or {"all": {}}.
+    A config past MAX_CONFIG_CHARS, or nested past MAX_CONFIG_DEPTH, is refused unread."""
     if "config" not in parameters:
         return None, ()
+    config = parameters["config"].string_param
+    if len(config) > MAX_CONFIG_CHARS:
+        raise InvalidArgument(
+            f"config parameter is {len(config):,} characters, over the limit of "
+            f"{MAX_CONFIG_CHARS:,}"
+        )
+    too_deep = InvalidArgument(f"config parameter is nested deeper than {MAX_CONFIG_DEPTH} levels")
     try:
-        policy = json.loads(parameters["config"].string_param).get("version_policy") or {}
+        parsed = json.loads(config)
+    except RecursionError:
+        raise too_deep from None
+    except ValueError as exc:
+        raise InvalidArgument(f"config parameter is not JSON: {exc}") from None
+    if _depth(parsed) > MAX_CONFIG_DEPTH:
+        raise too_deep
+    try:
+        policy = parsed.get("version_policy") or {}
         if "latest" in policy:
             count = policy["latest"].get("num_versions", 1)
             if type(count) is not int or count < 1:
-                raise ValueError(f"latest.num_versions must be an integer >= 1, got {count!r}")
+                raise ValueError(
+                    f"latest.num_versions must be an integer >= 1, got {clip(repr(count))}"
+                )
             return count, ()
         if "specific" in policy:
             listed = policy["specific"]["versions"]
             if not isinstance(listed, list) or not listed:
-                raise ValueError(f"specific.versions must be a non-empty list, got {listed!r}")
+                raise ValueError(
+                    f"specific.versions must be a non-empty list, got {clip(repr(listed))}"
+                )
             return None, tuple(str(v) for v in listed)
         if "all" in policy:
             return 1 << 30, ()
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise InvalidArgument(f"config parameter: {exc}") from None
+        raise InvalidArgument(f"config parameter: {clip(str(exc), MAX_MESSAGE_CHARS)}") from None
     if policy:
         raise InvalidArgument(f"unknown version_policy {clip(str(policy))}")
     return None, ()
+
+
+def _depth(value: object) -> int:
+    """How deep JSON `value` nests (a scalar: 0), without recursion."""
+    deepest, pending = 0, [(value, 0)]
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, dict):
+            value = list(value.values())
+        if isinstance(value, list):
+            deepest = max(deepest, depth + 1)
+            pending.extend((item, depth + 1) for item in value)
+    return deepest

@@ -175,6 +175,7 @@ class ClassifierService:
                 model=model.key,
             )
             core.check_count(job.count)
+            core.check_answer_size(job, model)
         except RaystreamError as exc:
             refused = job if job is not None else Job(id=request_id)
             return core.refuse(refused, exc, reply, stream)

@@ -166,6 +166,9 @@ class DynamicBatcher(Generic[T, R]):
         """Stop the workers; the requests still queued or running fail (Unavailable)."""
         self.abandon()
         await asyncio.gather(*self._workers, return_exceptions=True)
+        # Each stopped worker's CancelledError holds its frame, which holds this batcher:
+        # a cycle through the engine that only the cyclic collector would free.
+        self._workers = []
 
     def abandon(self) -> None:
         """close() without waiting for the workers to stop: for a stage given up while its

@@ -213,6 +213,26 @@ def oip_widths(
     return tuple(width.get(output.kind, output.k) for output in outputs)
 
 
+def answer_bytes_bound(job: Job, num_classes: int, embedding_dim: int, label_bytes: int) -> int:
+    """The most bytes `job`'s answer can take, in either protocol, known before any work:
+    `label_bytes` is the model's longest label. A label costs its name and at most
+    LABEL_OVERHEAD_BYTES beside it (OIP's length prefix, score, class id and separators;
+    raystream.v1's field tags, lengths, class id and score)."""
+    label = LABEL_OVERHEAD_BYTES + len(str(num_classes)) + label_bytes
+    vector = 4 * embedding_dim + 8
+    if job.protocol == "oip":
+        width = {"probabilities": 4 * num_classes, "embedding": vector}
+        per_image = sum(width.get(out.kind, out.k * label) for out in job.oip_outputs)
+    else:
+        per_image = job.labels * job.top_k * label + job.embedding * vector
+    return ANSWER_OVERHEAD_BYTES + job.count * (per_image + IMAGE_OVERHEAD_BYTES)
+
+
+LABEL_OVERHEAD_BYTES = 24
+IMAGE_OVERHEAD_BYTES = 16  # an image's result entry (v1), or nothing (OIP)
+ANSWER_OVERHEAD_BYTES = 4096  # the id, model, tensors' headers, timing, error message
+
+
 def _oip_rows(batch: Batch, row: int, job: Job, spec: ModelSpec) -> tuple[bytes, ...]:
     """One image's row of each output the job asked for."""
     out = []

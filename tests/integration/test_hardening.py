@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import time
 from pathlib import Path
 
 import grpc
@@ -15,6 +16,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from raystream.oip import grpc_predict_v2_pb2 as oip
+from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from raystream.v1 import classifier_pb2 as pb
 from raystream.v1 import classifier_pb2_grpc as pb_grpc
 
@@ -22,6 +25,7 @@ from conftest import encode, start_app
 
 pytestmark = pytest.mark.slow
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+STAGE_DEPLOYMENTS = ("Preprocess", "Inference", "Postprocess")  # topology chained
 
 
 @pytest.fixture(scope="module")
@@ -263,3 +267,108 @@ def test_an_oip_images_input_of_another_layout_is_refused(shape, raw, typed, ref
     request = oip.ModelInferRequest(inputs=[tensor], raw_input_contents=[element * 2])
     del request.inputs[0].contents.bytes_contents[:]
     assert _images(request) == (b"x", b"x")  # [N, 1] in raw contents: N images
+
+
+def _oip_request(images: list[bytes], outputs: list[tuple[str, int]]) -> oip.ModelInferRequest:
+    request = oip.ModelInferRequest(model_name="efficientnet-lite0", id="r")
+    tensor = request.inputs.add(name="images", datatype="BYTES", shape=[len(images)])
+    tensor.contents.bytes_contents.extend(images)
+    for name, k in outputs:
+        output = request.outputs.add(name=name)
+        if k:
+            output.parameters["classification"].int64_param = k
+    return request
+
+
+async def _memory(app: str, ingress) -> list[int]:
+    """Resident bytes of the ingress replica and of each stage deployment's replica."""
+    from ray import serve
+
+    stages = [serve.get_deployment_handle(name, app) for name in STAGE_DEPLOYMENTS]
+    return [await ingress.memory_bytes.remote()] + [
+        await stage.memory_bytes.remote() for stage in stages
+    ]
+
+
+async def test_an_oip_answer_past_the_send_limit_is_refused_before_any_work(
+    hardened, photos
+) -> None:
+    """256 tiny JPEGs asking 1,000 labels under 8 output names (an answer of about 70 MB,
+    past the 64 MiB send limit), then `labels` listed 100 times: each refused at once,
+    while another client's photo is answered within a second and no process grows. Before,
+    the answer was built and carried through every stage before the send refused it
+    (with 100 outputs: 675 MB, gigabytes in each process, the other photo 22 s late)."""
+    address, handle = hardened
+    tiny = encode(np.full((32, 32, 3), 128, np.uint8))
+    before = await _memory("hardening", handle)
+    started = await handle.requests_started.remote()
+    attacks = {
+        "over the send limit": [(f"top{i}", 1000) for i in range(8)],
+        "listed 100 times": [("labels", 1000)] * 100,
+    }
+    async with (
+        grpc.aio.insecure_channel(address) as attacker,
+        grpc.aio.insecure_channel(address) as other,
+    ):
+        infer = oip_grpc.GRPCInferenceServiceStub(attacker).ModelInfer
+        other_infer = oip_grpc.GRPCInferenceServiceStub(other).ModelInfer
+
+        async def timed(call, request) -> tuple[float, grpc.aio.AioRpcError | None]:
+            begin = time.perf_counter()
+            try:
+                await call(request)
+            except grpc.aio.AioRpcError as exc:
+                return time.perf_counter() - begin, exc
+            return time.perf_counter() - begin, None
+
+        for (why, outputs), expected in zip(
+            attacks.items(), ("answer could reach", "100 outputs requested"), strict=True
+        ):
+            attack = asyncio.ensure_future(timed(infer, _oip_request([tiny] * 256, outputs)))
+            await asyncio.sleep(0.05)  # the attack is on its way
+            photo = _oip_request([photos["chelsea"]], [("labels", 1)])
+            photo_s, photo_failed = await timed(other_infer, photo)
+            attack_s, refused = await attack
+            assert photo_failed is None and photo_s < 1.0, (why, photo_s, photo_failed)
+            assert refused is not None and refused.code() == grpc.StatusCode.INVALID_ARGUMENT, why
+            assert expected in refused.details() and attack_s < 1.0, (why, attack_s)
+    assert await handle.requests_started.remote() == started + 2  # the photos alone
+    after = await _memory("hardening", handle)
+    grown = [now - was for now, was in zip(after, before, strict=True)]
+    assert max(grown) < 100 << 20, grown
+
+
+async def test_an_oip_output_requested_twice_is_answered_once(hardened, photos) -> None:
+    """As raystream.v1 collapses repeated outputs; the same name with another
+    `classification` is refused. Before, each listing made a tensor of its own."""
+    async with grpc.aio.insecure_channel(hardened[0]) as channel:
+        infer = oip_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+        twice = [("labels", 3), ("probabilities", 0), ("labels", 3), ("probabilities", 0)]
+        reply = await infer(_oip_request([photos["coffee"]], twice))
+        assert [(o.name, list(o.shape)) for o in reply.outputs] == [
+            ("labels", [1, 3]),
+            ("probabilities", [1, 1000]),
+        ]
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await infer(_oip_request([photos["coffee"]], [("labels", 3), ("labels", 5)]))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'labels' requested twice with different parameters" in refused.value.details()
+
+
+async def test_model_control_is_off_by_default(hardened, photos) -> None:
+    """Loads and unloads are refused, saying how to turn them on, and the model keeps
+    serving. Before, any client that could infer could unload the model served."""
+    model = "efficientnet-lite0"
+    async with grpc.aio.insecure_channel(hardened[0]) as channel:
+        stub = oip_grpc.GRPCInferenceServiceStub(channel)
+        for call, request in (
+            (stub.RepositoryModelUnload, oip.RepositoryModelUnloadRequest(model_name=model)),
+            (stub.RepositoryModelLoad, oip.RepositoryModelLoadRequest(model_name=model)),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call(request)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "model_control: {enabled: true}" in refused.value.details()
+        assert (await stub.ModelReady(oip.ModelReadyRequest(name=model))).ready
+        reply = await stub.ModelInfer(_oip_request([photos["coffee"]], [("labels", 1)]))
+        assert list(reply.outputs[0].shape) == [1, 1]

@@ -354,7 +354,7 @@ async def test_loads_of_two_versions_beside_the_others_at_once_both_take_effect(
     each keep the other's (neither unloads a version the other has just loaded)."""
     old, new = versions
     async with served(two_versions, [old]) as (core, life, _):
-        service = OpenInferenceService(core, StreamRunner(8), life)
+        service = OpenInferenceService(core, StreamRunner(8), life, model_control=True)
         await asyncio.gather(
             *(
                 service.RepositoryModelLoad(
