@@ -70,6 +70,9 @@ test: model triton-client perf-analyzer
 # started with `ray start`, every one on 127.0.0.1 in a network namespace of its own with only
 # loopback (unshare: root, or unprivileged user namespaces).
 test-cluster: model
+	@unshare --net --map-root-user true 2>/dev/null || { echo "make test-cluster: cannot make \
+	a network namespace (unshare --net --map-root-user): run as root or allow unprivileged \
+	user namespaces (sysctl kernel.unprivileged_userns_clone=1)"; exit 1; }
 	unshare --net --map-root-user -- sh -c 'ip link set lo up && exec "$$@"' sh \
 		$(BIN)/python -m pytest -m cluster tests/cluster $(PYTEST_ARGS)
 
