@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -91,6 +92,7 @@ class LoopbackCluster:
     object_store_bytes: int = 150 * 1024 * 1024
     nodes: dict[str, Node] = field(default_factory=dict)
     keep_logs: Path | None = None  # where `stop` copies Ray's and the nodes' logs first
+    tls: bool = False  # Ray's TLS on every process of the cluster, certificates made here
 
     def __post_init__(self) -> None:
         if not in_private_network():
@@ -102,6 +104,20 @@ class LoopbackCluster:
         self.token_path = self.root / "ray-token"
         self.token_path.write_text(self.token)
         self.token_path.chmod(0o600)
+        self._tls_env: dict[str, str] = {}
+        if self.tls:  # one CA, one certificate for 127.0.0.1 that every node shows
+            from certificates import issue_certificate, write_pem
+
+            ca_key, ca = issue_certificate("ray ca", ca=True)
+            key, cert = issue_certificate("ray node", ca_key, ca.subject, ca=False)
+            key_path, cert_path = write_pem(self.root / "ray-node", key, cert)
+            _, ca_path = write_pem(self.root / "ray-ca", ca_key, ca)
+            self._tls_env = {
+                "RAY_USE_TLS": "1",
+                "RAY_TLS_SERVER_CERT": str(cert_path),
+                "RAY_TLS_SERVER_KEY": str(key_path),
+                "RAY_TLS_CA_CERT": str(ca_path),
+            }
 
     # -- environment --------------------------------------------------------------------------
 
@@ -118,6 +134,7 @@ class LoopbackCluster:
         `token=False`: a client that does not hold the token (the tests' unauthorised one)."""
         env = {k: v for k, v in os.environ.items() if k not in _NOT_PASSED}
         env["RAY_USAGE_STATS_ENABLED"] = "0"
+        env.update(self._tls_env)
         if token:
             env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(self.token_path))
         else:
@@ -443,6 +460,47 @@ def listening_sockets() -> list[tuple[str, int, str]]:
                 address = address.ipv4_mapped
             found.append((str(address), int(port, 16), owners.get(int(fields[9]), "?")))
     return found
+
+
+class Tap:
+    """Every TCP payload on loopback to or from `ports` while it runs (a raw packet socket on
+    `lo`, as tcpdump would read it): what anyone on the cluster's network could see."""
+
+    def __init__(self, ports: range) -> None:
+        self.ports = ports
+        self.payload = bytearray()
+        self.packets = 0
+        self._socket = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(0x0003))
+        self._socket.bind(("lo", 0))
+        self._socket.settimeout(0.2)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+
+    def __enter__(self) -> Tap:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._socket.close()
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            try:
+                frame, (_, _, kind, *_) = self._socket.recvfrom(1 << 16)
+            except TimeoutError:
+                continue
+            if kind == socket.PACKET_OUTGOING:  # each loopback packet comes twice: once
+                continue
+            ip = frame[14:]  # lo's frames carry an Ethernet header of zeros
+            if len(ip) < 20 or ip[0] >> 4 != 4 or ip[9] != socket.IPPROTO_TCP:
+                continue
+            tcp = ip[(ip[0] & 0x0F) * 4 :]
+            source, target = int.from_bytes(tcp[0:2], "big"), int.from_bytes(tcp[2:4], "big")
+            if source in self.ports or target in self.ports:
+                self.packets += 1
+                self.payload += tcp[(tcp[12] >> 4) * 4 :]
 
 
 def wait_for(check, timeout: float, every: float = 0.5, what: str = "condition"):

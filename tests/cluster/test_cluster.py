@@ -22,6 +22,7 @@ from loopback_cluster import (
     APP,
     CLIENT_PORT,
     LoopbackCluster,
+    Tap,
     add_spare_node,
     deploy_raystream,
     in_private_network,
@@ -179,6 +180,26 @@ async def test_stage_calls_cross_the_nodes_over_the_replicas_ports(
         if all(counts):
             break
     assert all(counts), dict(zip(stages, counts, strict=True))
+
+
+STAGE_PORTS = range(9100, 9164)  # the cluster config's stage_ports (the default)
+
+
+def seen_in_clear(tap: Tap, photo: bytes) -> bool:
+    """Whether the tap read pieces of `photo`, or a label it was given, in clear."""
+    pieces = [photo[at : at + 48] for at in range(1000, len(photo) - 48, 5000)]
+    return any(piece in tap.payload for piece in pieces) or b"Egyptian cat" in tap.payload
+
+
+async def test_without_rays_tls_a_tap_on_the_stage_ports_reads_the_photos(
+    cluster, deployed, photos
+) -> None:
+    """This cluster runs without Ray's TLS: its stage calls are plain TCP, as Ray's own
+    traffic then is, and a tap reads the photos and their labels (so the same tap can tell,
+    in test_cluster_tls.py, that TLS hides them)."""
+    with Tap(STAGE_PORTS) as tap:
+        await _classify(deployed, photos, 4)
+    assert tap.packets and seen_in_clear(tap, photos["chelsea"])
 
 
 def test_a_load_step_adds_a_replica_latency_recovers_and_it_goes_away(cluster, deployed) -> None:
