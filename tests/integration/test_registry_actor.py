@@ -110,3 +110,29 @@ def _alive(actor) -> bool:
     except Exception:
         return False
     return True
+
+
+async def test_two_hundred_replicas_gone_leave_only_the_live_and_the_desired_state(
+    instance,
+) -> None:
+    """200 replicas that reported and went (killed, scaled down, redeployed: none left): their
+    reports are gone FRESH_S after their last, on the actor's clock, and the GCS holds the
+    desired state alone, as it did before them."""
+    from ray.experimental import internal_kv
+
+    live = _registry(instance)
+    live.start(["m/1"])
+    gcs_before = sorted(internal_kv._internal_kv_list(instance, namespace=registry_actor.NAMESPACE))
+    gone = _registry(instance)
+    for number in range(200):
+        await asyncio.to_thread(gone.report, "Inference", f"gone-{number}", ["m/1"])
+    await until(lambda: len(live.reports("Inference")) == 200, 10)
+    started = time.monotonic()
+    while len(live.reports("Inference")) != 1:
+        await asyncio.to_thread(live.report, "Inference", "live", ["m/1"])
+        assert time.monotonic() - started < FRESH_S + 5
+        await asyncio.sleep(0.25)
+    assert [report.replica for report in live.reports("Inference")] == ["live"]
+    assert live.desired() == {"m/1": "serve"}
+    gcs_after = sorted(internal_kv._internal_kv_list(instance, namespace=registry_actor.NAMESPACE))
+    assert gcs_after == gcs_before and gcs_after  # the desired state's keys, nothing more
