@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -137,9 +137,7 @@ def build_index(
     metadata, dim = first
     space = _space_of(metadata, str(shards[0]))
     kind = kind or kind_for(count)
-    index = faiss.index_factory(dim, kind, faiss.METRIC_INNER_PRODUCT)
-    if not index.is_trained:
-        index.train(_training_sample(shards, count, dim))
+    index = new_index(dim, kind, lambda: _training_sample(shards, count, dim))
     out.mkdir(parents=True, exist_ok=True)
     temporary_keys = out / f".{KEYS_FILE}.tmp"
     schema = pa.schema([("key", pa.string())])
@@ -171,6 +169,24 @@ def build_index(
     return meta
 
 
+def new_index(dim: int, kind: str, sample: Callable[[], np.ndarray]):
+    """An empty FAISS index of `kind` over inner products, trained on `sample()` where it
+    needs training."""
+    faiss = _faiss()
+    index = faiss.index_factory(dim, kind, faiss.METRIC_INNER_PRODUCT)
+    if not index.is_trained:
+        index.train(sample())
+    return index
+
+
+def set_nprobe(index, nprobe: int) -> None:
+    """Lists searched per query, where the index has lists."""
+    faiss = _faiss()
+    lists = faiss.try_extract_index_ivf(index)
+    if lists is not None:
+        lists.nprobe = nprobe
+
+
 def _training_sample(shards: Sequence[Path], count: int, dim: int) -> np.ndarray:
     """Up to TRAIN_SAMPLE vectors spread over all the shards (every k-th row)."""
     step = max(1, count // TRAIN_SAMPLE)
@@ -200,8 +216,7 @@ class VectorIndex:
         self.folder = folder
         self.meta = IndexMeta(**json.loads((folder / META_FILE).read_text()))
         self._index = faiss.read_index(str(folder / INDEX_FILE))
-        if self.meta.kind != "Flat":
-            faiss.extract_index_ivf(self._index).nprobe = self.meta.nprobe
+        set_nprobe(self._index, self.meta.nprobe)
         self._keys = pq.read_table(folder / KEYS_FILE).column("key").to_numpy(zero_copy_only=False)
 
     def search(self, query: np.ndarray, k: int, *, embedding_space: str) -> list[Neighbour]:
