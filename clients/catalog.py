@@ -98,6 +98,7 @@ async def aembed_catalog(
     row_group_rows: int = 10_000,
     attempts: int = 5,
     commit_seconds: float = 300.0,
+    dtype: str = "float32",
     progress: bool | Callable[[int], None] = False,
     client_options: dict | None = None,
 ) -> EmbedSummary:
@@ -105,7 +106,8 @@ async def aembed_catalog(
     already there (the same inputs and embedding space, else OutputError). `model`: empty
     for the model the existing output was made with, else the server's default. `in_flight`:
     requests outstanding (default 16 per connection opened). `progress`: a tqdm bar on
-    stderr, or a callable told of each image done."""
+    stderr, or a callable told of each image done. `dtype`: "float16" stores half the bytes
+    (each vector rounded from the server's float32; cosine to it >= 0.9999)."""
     from clients.client import Client
 
     out = Path(out)
@@ -131,6 +133,7 @@ async def aembed_catalog(
             version=info.version,
             embedding_space=info.embedding_space,
             dim=info.embedding_dim,
+            dtype=dtype,
         )
         store = ShardStore(out, job, shard_rows=shard_rows, row_group_rows=row_group_rows)
         bar = None

@@ -560,6 +560,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests outstanding (default 16 per connection)",
     )
     p.add_argument(
+        "--dtype",
+        choices=("float32", "float16"),
+        default="float32",
+        help="the vectors as stored in an output folder: float16 takes half the bytes "
+        "(rounded from the server's float32; cosine to it at least 0.9999)",
+    )
+    p.add_argument(
         "--attempts",
         type=count(),
         default=5,

@@ -174,11 +174,12 @@ async def embed_to_folder(args: argparse.Namespace, inputs, connection: dict) ->
         shard_rows=args.shard_rows,
         row_group_rows=args.row_group_rows,
         attempts=args.attempts,
+        dtype=args.dtype,
         progress=sys.stderr.isatty(),
         client_options={"timeout": args.timeout, **connection},
     )
     print(
-        f"{summary.vectors} vectors of {summary.dim} floats ({summary.model} version "
+        f"{summary.vectors} vectors of {summary.dim} floats ({args.dtype}; {summary.model} version "
         f"{summary.version}, embedding space {summary.embedding_space}) in {summary.out}; "
         f"{summary.embedded_now} embedded by this run"
         + (

@@ -36,6 +36,7 @@ STATE = "embed-state.json"
 FAILURES = "failures.jsonl"
 SHARD_GLOB = "shard-*.parquet"
 STATE_VERSION = 1
+DTYPES = ("float32", "float16")
 
 
 class OutputError(CatalogError):
@@ -52,7 +53,7 @@ class JobIdentity:
     version: str
     embedding_space: str
     dim: int
-    dtype: str = "float32"
+    dtype: str = "float32"  # as stored: the server's float32, or rounded to float16
 
 
 @dataclass
@@ -116,6 +117,8 @@ class ShardStore:
     ) -> None:
         import pyarrow as pa
 
+        if job.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {job.dtype!r}")
         if shard_rows < 1 or row_group_rows < 1:
             raise ValueError("shard_rows and row_group_rows must be at least 1")
         self.out = out
@@ -244,7 +247,12 @@ class ShardStore:
         if self._writer is None:
             metadata = {f"raystream.{k}": str(v) for k, v in asdict(job).items()}
             schema = table.schema.with_metadata(metadata)
-            self._writer = pq.ParquetWriter(self._temporary(), schema)
+            # no dictionary for keys and vectors: distinct values, where one only adds bytes
+            self._writer = pq.ParquetWriter(
+                self._temporary(),
+                schema,
+                use_dictionary=["model", "version", "embedding_space"],
+            )
         self._writer.write_table(table, row_group_size=rows)
         self._group_keys = []
 

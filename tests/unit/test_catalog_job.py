@@ -162,6 +162,24 @@ def test_unavailable_images_are_retried_with_backoff_then_listed(tmp_path, monke
     assert len(_read(tmp_path / "out")[0]) == 19
 
 
+def test_float16_vectors_take_half_the_bytes_at_cosine_0_9999(tmp_path) -> None:
+    paths = _images(tmp_path / "photos", 300)
+    inputs = CatalogInputs(manifest=_manifest(tmp_path, paths))
+    sizes, vectors = {}, {}
+    for dtype in ("float32", "float16"):
+        out = tmp_path / dtype
+        job = JobIdentity(**{**_job(inputs, dim=1280).__dict__, "dtype": dtype})
+        _run(ShardStore(out, job), inputs, FakeEmbeddings(dim=1280))
+        sizes[dtype] = sum(p.stat().st_size for p in shard_paths(out))
+        keys, vectors[dtype] = _read(out)
+        assert keys == [str(p) for p in paths]  # one stream, answered in order
+    assert vectors["float16"].dtype == np.float16
+    half = vectors["float16"].astype(np.float32)
+    cosine = (half * vectors["float32"]).sum(1) / np.linalg.norm(half, axis=1)
+    assert cosine.min() >= 0.9999
+    assert 0.45 <= sizes["float16"] / sizes["float32"] <= 0.55, sizes
+
+
 # -- resume --------------------------------------------------------------------------------------
 
 
