@@ -5,8 +5,8 @@ Requests of `batch_size` images, `in_flight` of them outstanding. An image answe
 or RESOURCE_EXHAUSTED (the server restarting, or shedding load) goes back in line after a
 backoff (0.5 s, doubling, at most 30 s), up to `attempts` times; then, or on any other error,
 it is listed in the failures file and not tried again. A stream that fails as a whole
-(the server gone) is opened again after the same backoff; a job that cannot reach the server
-for `attempts` streams in a row stops, its work committed: the same command goes on later.
+(the server gone) is opened again after the same backoff; after `attempts` streams in a row
+that answered no image, the job stops, its work committed: the same command goes on later.
 """
 
 from __future__ import annotations
@@ -86,30 +86,34 @@ class EmbedJob:
 
     async def run(self, stream: StreamFn) -> None:
         """Until every image is embedded or failed; commits as it goes and at the end."""
-        streams_failed = 0
+        streams_failed = 0  # in a row, none of them answering an image
         while True:
+            before = self.embedded + self.failed
             try:
-                answered = await self._one_stream(stream)
+                await self._one_stream(stream)
             except grpc.aio.AioRpcError as exc:
                 if exc.code().value[0] not in RETRIED:
                     self._store.commit()
                     raise
-                streams_failed += 1
+                progressed = self.embedded + self.failed > before
+                streams_failed = 1 if progressed else streams_failed + 1
                 self._store.commit()
                 if streams_failed >= self._attempts:
-                    raise ServerGone(f"{exc.code().name}: {exc.details()}") from None
+                    raise ServerGone(
+                        f"the server failed {streams_failed} streams in a row "
+                        f"({exc.code().name}: {exc.details()}); what was embedded is "
+                        f"committed: run the same command again to go on"
+                    ) from None
                 pause = backoff(streams_failed)
                 logger.warning("stream failed (%s); again in %.1f s", exc.code().name, pause)
                 await asyncio.sleep(pause)
                 continue
-            if answered:
-                streams_failed = 0
             if not self._retries:
                 break
         self._store.commit()
 
-    async def _one_stream(self, stream: StreamFn) -> int:
-        """One stream's worth: returns the images it answered."""
+    async def _one_stream(self, stream: StreamFn) -> None:
+        """Until the stream ends: every image sent and answered, or the stream failed."""
         pending: dict[str, list[_Pending]] = {}
         slots = asyncio.Semaphore(self._in_flight)
         changed = asyncio.Event()  # a response came: retries may be due, or the end near
@@ -145,14 +149,12 @@ class EmbedJob:
                     request_id=request_id, images=images, model=self._model, outputs=[pb.EMBEDDING]
                 )
 
-        answered = 0
         try:
-            answered = await self._receive(stream(requests()), pending, slots, changed)
+            await self._receive(stream(requests()), pending, slots, changed)
         finally:
             for sent in pending.values():  # unanswered by a stream that broke: in line again
                 for p in sent:
                     heapq.heappush(self._retries, (time.monotonic(), p.item.ordinal, p))
-        return answered
 
     async def _receive(
         self,
@@ -160,8 +162,7 @@ class EmbedJob:
         pending: dict[str, list[_Pending]],
         slots: asyncio.Semaphore,
         changed: asyncio.Event,
-    ) -> int:
-        answered = 0
+    ) -> None:
         async for response in responses:
             slots.release()
             sent = pending.pop(response.request_id)
@@ -170,12 +171,10 @@ class EmbedJob:
                     self._answer(p, response.error.code, response.error.message, None)
             else:
                 for p, result in zip(sent, response.results, strict=True):
-                    answered += 1
                     self._answer(p, result.error.code, result.error.message, result)
             changed.set()
             if self._store.seconds_open >= self._commit_seconds:
                 self._store.commit()
-        return answered
 
     def _next_chunk(self) -> list[_Pending]:
         chunk: list[_Pending] = []

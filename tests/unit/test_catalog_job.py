@@ -180,6 +180,48 @@ def test_float16_vectors_take_half_the_bytes_at_cosine_0_9999(tmp_path) -> None:
     assert 0.45 <= sizes["float16"] / sizes["float32"] <= 0.55, sizes
 
 
+class _BrokenStreams(FakeEmbeddings):
+    """Each of the first `breaks` streams answers `answers` requests, then fails UNAVAILABLE
+    (leaving the rest unanswered, as a server that went away)."""
+
+    def __init__(self, breaks: int, answers: int = 2) -> None:
+        super().__init__(dim=8)
+        self.breaks = breaks
+        self.answers = answers
+
+    async def stream(self, requests):
+        import grpc
+
+        answered = 0
+        async for response in super().stream(requests):
+            if self.breaks and answered == self.answers:
+                self.breaks -= 1
+                raise grpc.aio.AioRpcError(
+                    grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone"
+                )
+            answered += 1
+            yield response
+
+
+def test_a_stream_that_fails_is_opened_again_and_then_given_up(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(embed_job, "FIRST_BACKOFF_S", 0.01)
+    paths = _images(tmp_path / "photos", 40)
+    inputs = CatalogInputs(manifest=_manifest(tmp_path, paths))
+    # more breaks than attempts (3), each after some progress: the job goes on to the end
+    store = ShardStore(tmp_path / "a", _job(inputs))
+    job = _run(store, inputs, _BrokenStreams(4), batch_size=4, attempts=3)
+    assert (job.embedded, job.failed) == (40, 0)
+    assert sorted(_read(tmp_path / "a")[0]) == [str(p) for p in paths]
+
+    store = ShardStore(tmp_path / "b", _job(inputs))
+    gone = EmbedJob(store, inputs, model="fake/1", batch_size=4, attempts=3)
+    first, then_none = _BrokenStreams(1), _BrokenStreams(99, answers=0)
+    streams = iter([first.stream, *[then_none.stream] * 99])  # 2 requests answered, then none
+    with pytest.raises(embed_job.ServerGone, match=r"failed 3 streams in a row .*run the same"):
+        asyncio.run(gone.run(lambda requests: next(streams)(requests)))
+    assert store.committed.vectors == gone.embedded == 2 * 4  # committed before giving up
+
+
 # -- resume --------------------------------------------------------------------------------------
 
 
