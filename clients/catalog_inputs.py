@@ -63,7 +63,7 @@ class CatalogInputs:
         image_suffixes: Sequence[str] = (),
     ) -> None:
         if bool(paths) == (manifest is not None):
-            raise InputError("give image paths or folders, or a manifest, not both")
+            raise InputError("give image paths or folders, or a manifest: one or the other")
         self._paths = [Path(p) for p in paths]
         self._manifest = Path(manifest) if manifest is not None else None
         self._path_column = path_column

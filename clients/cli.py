@@ -200,7 +200,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
     from clients.catalog_inputs import CatalogInputs
 
     if bool(args.paths) == bool(args.manifest):
-        raise CliError("give image files or folders, or --manifest, not both")
+        raise CliError("give image files or folders, or --manifest: one or the other")
     if embed_command.writes_one_file(args.out):
         if args.manifest:
             raise CliError("--manifest writes an output folder: give --out a folder")
