@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -87,7 +88,7 @@ def test_embed_killed_and_run_again_writes_every_key_once(server, tmp_path) -> N
     again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 1, again.stderr  # the broken image
     assert f"{len(paths)} vectors of 1280 floats" in again.stdout, again.stdout
-    embedded_now = int(again.stdout.split("; ")[1].split()[0])
+    embedded_now = int(re.search(r"(\d+) embedded by this run", again.stdout)[1])
     assert embedded_now <= len(paths) - killed["vectors"]  # the committed are not sent again
     rows = _rows(out)
     assert sorted(rows) == [f"photos/{p.name}" for p in paths]
