@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 
 from clients import serve_command
+from clients.catalog_errors import CatalogError
 from clients.client import status_name
 from clients.embed_command import FORMATS, EmbedError
 from engines.base import EngineError
@@ -196,9 +197,29 @@ def cmd_classify(args: argparse.Namespace) -> int:
 
 def cmd_embed(args: argparse.Namespace) -> int:
     from clients import embed_command
+    from clients.catalog_inputs import CatalogInputs
 
-    paths = _image_paths(args.paths)
-    return asyncio.run(embed_command.embed(args, paths, _connection(args)))
+    if bool(args.paths) == bool(args.manifest):
+        raise CliError("give image files or folders, or --manifest: one or the other")
+    if embed_command.writes_one_file(args.out):
+        if args.manifest:
+            raise CliError("--manifest writes an output folder: give --out a folder")
+        paths = _image_paths(args.paths)
+        return asyncio.run(embed_command.embed(args, paths, _connection(args)))
+    inputs = CatalogInputs(
+        args.paths,
+        manifest=args.manifest,
+        path_column=args.path_column,
+        key_column=args.key_column,
+        image_suffixes=IMAGE_SUFFIXES,
+    )
+    return asyncio.run(embed_command.embed_to_folder(args, inputs, _connection(args)))
+
+
+def cmd_index_build(args: argparse.Namespace) -> int:
+    from clients import embed_command
+
+    return asyncio.run(embed_command.index_build(args))
 
 
 def cmd_similar(args: argparse.Namespace) -> int:
@@ -494,22 +515,83 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "embed",
-        help="embed image files or folders over one stream into a vector file",
-        description="Send every image (files, or folders recursively) over one "
-        "bidirectional stream for its embedding, and write a row per image (key, vector, "
-        "model, version, embedding_space) to --out. Images that fail are printed, one line "
-        "each, and left out; the exit code is then 1.",
+        help="embed a catalog of images into Parquet shards (resumable), or one vector file",
+        description="Send every image (files, folders recursively, or the paths of a "
+        "--manifest) for its embedding over one bidirectional stream, and write a row per "
+        "image (key, vector, model, version, embedding_space). --out FOLDER: Parquet shards "
+        "written as the vectors arrive; run the same command again after a crash or a kill "
+        "and it goes on where it stopped; images that fail are listed in FOLDER/"
+        "failures.jsonl. --out FILE.parquet or FILE.npy: one file at the end, every vector "
+        "in memory (small sets). Exit code 1 if any image failed.",
     )
-    p.add_argument("paths", nargs="+", help="image files or folders")
-    p.add_argument("--out", type=Path, required=True, help="the vector file to write")
+    p.add_argument("paths", nargs="*", help="image files or folders")
+    p.add_argument(
+        "--manifest",
+        type=Path,
+        help="a file listing the images: a text file of paths (one a line), or a .csv or "
+        ".parquet file with a column of paths; relative paths are relative to its folder",
+    )
+    p.add_argument("--path-column", default="path", help="the manifest's column of paths")
+    p.add_argument(
+        "--key-column", help="the manifest's column of keys (default: the path is the key)"
+    )
+    p.add_argument(
+        "--out", type=Path, required=True, help="an output folder, or a .parquet/.npy file"
+    )
     p.add_argument(
         "--format",
         choices=FORMATS,
-        help="parquet (needs pyarrow: pip install 'raystream[parquet]') or npy (a NumPy "
-        "structured array); default: npy for a .npy --out, else parquet",
+        help="for one vector file: parquet (needs pyarrow: pip install 'raystream[parquet]') "
+        "or npy (a NumPy structured array); default: npy for a .npy --out, else parquet",
+    )
+    p.add_argument(
+        "--shard-rows", type=count(), default=50_000, help="rows per shard (default 50,000)"
+    )
+    p.add_argument(
+        "--row-group-rows",
+        type=count(),
+        default=10_000,
+        help="rows per Parquet row group (default 10,000: ~50 MB of 1,280 floats)",
+    )
+    p.add_argument(
+        "--in-flight",
+        type=count(),
+        default=None,
+        help="requests outstanding (default 16 per connection)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "float16"),
+        default="float32",
+        help="the vectors as stored in an output folder: float16 takes half the bytes "
+        "(rounded from the server's float32; cosine to it at least 0.9999)",
+    )
+    p.add_argument(
+        "--attempts",
+        type=count(),
+        default=5,
+        help="tries per image answered UNAVAILABLE or RESOURCE_EXHAUSTED, with backoff, "
+        "before it is listed as failed (default 5)",
     )
     _add_stream_options(p)
     p.set_defaults(func=cmd_embed)
+
+    p = sub.add_parser(
+        "index",
+        help="build a nearest-neighbour index over the output folder of `raystream embed`",
+        description="`raystream index build VECTORS --out INDEX`: a FAISS index (pip install "
+        "'raystream[index]') over every shard of VECTORS, for `raystream similar --index "
+        "INDEX`. Exact below 50,000 vectors; above, an inverted file of 8-bit vectors.",
+    )
+    index_sub = p.add_subparsers(dest="index_command", required=True)
+    b = index_sub.add_parser("build", help="build an index over an output folder")
+    b.add_argument("vectors", type=Path, help="an output folder of `raystream embed`")
+    b.add_argument("--out", type=Path, required=True, help="the index folder to write")
+    b.add_argument("--kind", help="a FAISS index factory string (default: chosen by size)")
+    b.add_argument(
+        "--nprobe", type=count(), default=32, help="lists searched per query (IVF; default 32)"
+    )
+    b.set_defaults(func=cmd_index_build)
 
     p = sub.add_parser(
         "similar",
@@ -519,7 +601,12 @@ def build_parser() -> argparse.ArgumentParser:
         "vectors of the server's embedding space are compared.",
     )
     p.add_argument("query", metavar="QUERY_IMAGE", help="an image file")
-    p.add_argument("--index", type=Path, required=True, help="a vector file (.parquet, .npy)")
+    p.add_argument(
+        "--index",
+        type=Path,
+        required=True,
+        help="an index folder (raystream index build), or a vector file (.parquet, .npy)",
+    )
     p.add_argument("-k", type=count(), default=5, help="neighbours to print (default 5)")
     p.add_argument(
         "--model",
@@ -688,7 +775,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # cannot fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except (CliError, serve_command.ConfigError, EmbedError) as exc:
+    except (CliError, serve_command.ConfigError, EmbedError, CatalogError) as exc:
         print(f"raystream: {exc}", file=sys.stderr)
         return 2
     except (EngineError, ModelNotFoundError, FileNotFoundError) as exc:

@@ -1,5 +1,10 @@
-"""`raystream embed` and `raystream similar`: image embeddings into a vector file, and the
-nearest neighbours of an image among the vectors of such a file.
+"""`raystream embed`, `raystream similar` and `raystream index build`: image embeddings into
+an output folder of Parquet shards (clients/catalog.py: resumable, in bounded memory) or one
+vector file, an index over the shards, and the nearest neighbours of an image.
+
+The one vector file (--out ending .parquet or .npy) holds every vector in memory until the
+end: for small sets. An output folder is written as the vectors arrive and a killed job goes
+on where it stopped (clients/shard_store.py).
 
 A vector file holds a row per image: `key` (the image's path), `vector` (float32, norm 1),
 `model`, `version` and `embedding_space` (vectors compare only within one space). Parquet
@@ -147,8 +152,59 @@ async def _index_model(client, index: Vectors) -> str:
     return model
 
 
+def writes_one_file(out: Path) -> bool:
+    """Whether --out names one vector file (.parquet, .npy), not an output folder."""
+    return out.suffix.lower() in (".parquet", ".npy") and not out.is_dir()
+
+
+async def embed_to_folder(args: argparse.Namespace, inputs, connection: dict) -> int:
+    """Embeds `inputs` into the output folder args.out, or goes on with the job there."""
+    from clients.catalog import aembed_catalog
+    from clients.shard_store import FAILURES
+
+    _pyarrow()
+    summary = await aembed_catalog(
+        inputs,
+        args.out,
+        server=args.server,
+        model=args.model,
+        batch_size=args.batch_size,
+        in_flight=args.in_flight,
+        connections=args.connections,
+        shard_rows=args.shard_rows,
+        row_group_rows=args.row_group_rows,
+        attempts=args.attempts,
+        dtype=args.dtype,
+        progress=sys.stderr.isatty(),
+        client_options={"timeout": args.timeout, **connection},
+    )
+    print(
+        f"{summary.vectors} vectors of {summary.dim} floats ({args.dtype}; {summary.model} version "
+        f"{summary.version}, embedding space {summary.embedding_space}) in {summary.out}; "
+        f"{summary.embedded_now} embedded by this run"
+        + (
+            f"; {summary.failures} images failed, listed in {summary.out / FAILURES}"
+            if summary.failures
+            else ""
+        )
+    )
+    return 1 if summary.failures else 0
+
+
+async def index_build(args: argparse.Namespace) -> int:
+    from clients.catalog import build_index
+
+    meta = build_index(args.vectors, args.out, kind=args.kind, nprobe=args.nprobe)
+    print(
+        f"indexed {meta.count} vectors of {meta.dim} floats ({meta.kind}, embedding space "
+        f"{meta.embedding_space}) in {args.out}"
+    )
+    return 0
+
+
 async def embed(args: argparse.Namespace, paths: list[Path], connection: dict) -> int:
-    """Embeds `paths` over one stream into args.out; a line per image that failed."""
+    """Embeds `paths` over one stream into the vector file args.out; a line per image that
+    failed."""
     from tqdm import tqdm
 
     from clients.client import Client, status_name
@@ -198,7 +254,15 @@ async def embed(args: argparse.Namespace, paths: list[Path], connection: dict) -
 async def similar(args: argparse.Namespace, connection: dict) -> int:
     """Prints the args.k nearest neighbours of args.query in the index, by cosine."""
     from clients.client import Client, status_name
+    from clients.vector_index import META_FILE
 
+    if (args.index / META_FILE).is_file():
+        return await _similar_in_index(args, connection)
+    if args.index.is_dir():
+        raise EmbedError(
+            f"{args.index} is not an index: build one over an output folder of `raystream "
+            f"embed` with `raystream index build {args.index} --out INDEX`"
+        )
     index = read_vectors(args.index)
     if not index.keys:
         raise EmbedError(f"{args.index} holds no vectors")
@@ -227,4 +291,25 @@ async def similar(args: argparse.Namespace, connection: dict) -> int:
     skipped = len(index.keys) - len(rows)
     if skipped:
         print(f"({skipped} vectors of other embedding spaces skipped)", file=sys.stderr)
+    return 0
+
+
+async def _similar_in_index(args: argparse.Namespace, connection: dict) -> int:
+    from clients.catalog import asimilar
+
+    query = Path(args.query)
+    if not query.is_file():
+        raise EmbedError(f"{query}: no such file")
+    found = await asimilar(
+        args.index,
+        query,
+        k=args.k,
+        server=args.server,
+        model=args.model,
+        client_options={"timeout": args.timeout, **connection},
+    )
+    width = max((len(n.key) for n in found), default=3)
+    print(f"{'rank':>4}  {'cosine':>7}  {'key':<{width}}")
+    for rank, n in enumerate(found, 1):
+        print(f"{rank:>4}  {n.score:>7.4f}  {n.key}")
     return 0

@@ -1,0 +1,203 @@
+"""The embedding job: every image of a catalog over one stream (spread over the client's
+connections), its vector into a ShardStore as it arrives, resumable.
+
+Requests of `batch_size` images, `in_flight` of them outstanding. An image answered UNAVAILABLE
+or RESOURCE_EXHAUSTED (the server restarting, or shedding load) goes back in line after a
+backoff (0.5 s, doubling, at most 30 s), up to `attempts` times; then, or on any other error,
+it is listed in the failures file and not tried again. A stream that fails as a whole
+(the server gone) is opened again after the same backoff; after `attempts` streams in a row
+that answered no image, the job stops, its work committed: the same command goes on later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from clients.catalog_errors import CatalogError
+from clients.catalog_inputs import CatalogItem
+from clients.shard_store import ShardStore
+from raystream.v1 import classifier_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+RETRIED = frozenset(
+    code.value[0] for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+)
+FIRST_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
+
+StreamFn = Callable[[AsyncIterable[pb.ClassifyRequest]], AsyncIterator[pb.ClassifyResponse]]
+
+
+class ServerGone(CatalogError):
+    """The server could not be reached for `attempts` streams in a row."""
+
+
+@dataclass
+class _Pending:
+    item: CatalogItem
+    attempts: int = 0  # sent so far
+
+
+def backoff(attempt: int) -> float:
+    """Seconds before try number `attempt` + 1."""
+    return min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (attempt - 1))
+
+
+def _code_name(code: int) -> str:
+    return next((s.name for s in grpc.StatusCode if s.value[0] == code), str(code))
+
+
+class EmbedJob:
+    def __init__(
+        self,
+        store: ShardStore,
+        items: Iterable[CatalogItem],
+        *,
+        model: str,
+        batch_size: int = 16,
+        in_flight: int = 16,
+        attempts: int = 5,
+        commit_seconds: float = 300.0,
+        on_progress: Callable[[int], None] = lambda n: None,
+    ) -> None:
+        self._store = store
+        self._fresh: Iterator[CatalogItem] = (i for i in items if not store.is_done(i.ordinal))
+        self._model = model
+        self._batch_size = batch_size
+        self._in_flight = in_flight
+        self._attempts = attempts
+        self._commit_seconds = commit_seconds
+        self._on_progress = on_progress
+        self._retries: list[tuple[float, int, _Pending]] = []  # (due, ordinal, pending): a heap
+        self._ids = itertools.count()
+        self.embedded = 0
+        self.failed = 0
+
+    async def run(self, stream: StreamFn) -> None:
+        """Until every image is embedded or failed; commits as it goes and at the end."""
+        streams_failed = 0  # in a row, none of them answering an image
+        while True:
+            before = self.embedded + self.failed
+            try:
+                await self._one_stream(stream)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code().value[0] not in RETRIED:
+                    self._store.commit()
+                    raise
+                progressed = self.embedded + self.failed > before
+                streams_failed = 1 if progressed else streams_failed + 1
+                self._store.commit()
+                if streams_failed >= self._attempts:
+                    raise ServerGone(
+                        f"the server failed {streams_failed} streams in a row "
+                        f"({exc.code().name}: {exc.details()}); what was embedded is "
+                        f"committed: run the same command again to go on"
+                    ) from None
+                pause = backoff(streams_failed)
+                logger.warning("stream failed (%s); again in %.1f s", exc.code().name, pause)
+                await asyncio.sleep(pause)
+                continue
+            if not self._retries:
+                break
+        self._store.commit()
+
+    async def _one_stream(self, stream: StreamFn) -> None:
+        """Until the stream ends: every image sent and answered, or the stream failed."""
+        pending: dict[str, list[_Pending]] = {}
+        slots = asyncio.Semaphore(self._in_flight)
+        changed = asyncio.Event()  # a response came: retries may be due, or the end near
+
+        async def requests() -> AsyncIterator[pb.ClassifyRequest]:
+            while True:
+                await slots.acquire()  # before taking images: a closed stream strands none
+                chunk = self._next_chunk()
+                if not chunk:
+                    slots.release()
+                    if not self._retries and not pending:
+                        return
+                    wait = self._retries[0][0] - time.monotonic() if self._retries else None
+                    changed.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(changed.wait(), wait)
+                    continue
+                sent, images = [], []
+                for p in chunk:
+                    try:
+                        images.append(p.item.path.read_bytes())
+                    except OSError as exc:
+                        self._fail(p, "NOT_FOUND", f"cannot read the file: {exc.strerror or exc}")
+                        continue
+                    p.attempts += 1
+                    sent.append(p)
+                if not sent:
+                    slots.release()
+                    continue
+                request_id = str(next(self._ids))
+                pending[request_id] = sent
+                yield pb.ClassifyRequest(
+                    request_id=request_id, images=images, model=self._model, outputs=[pb.EMBEDDING]
+                )
+
+        try:
+            await self._receive(stream(requests()), pending, slots, changed)
+        finally:
+            for sent in pending.values():  # unanswered by a stream that broke: in line again
+                for p in sent:
+                    heapq.heappush(self._retries, (time.monotonic(), p.item.ordinal, p))
+
+    async def _receive(
+        self,
+        responses: AsyncIterator[pb.ClassifyResponse],
+        pending: dict[str, list[_Pending]],
+        slots: asyncio.Semaphore,
+        changed: asyncio.Event,
+    ) -> None:
+        async for response in responses:
+            slots.release()
+            sent = pending.pop(response.request_id)
+            if response.error.code:
+                for p in sent:
+                    self._answer(p, response.error.code, response.error.message, None)
+            else:
+                for p, result in zip(sent, response.results, strict=True):
+                    self._answer(p, result.error.code, result.error.message, result)
+            changed.set()
+            if self._store.seconds_open >= self._commit_seconds:
+                self._store.commit()
+
+    def _next_chunk(self) -> list[_Pending]:
+        chunk: list[_Pending] = []
+        now = time.monotonic()
+        while self._retries and self._retries[0][0] <= now and len(chunk) < self._batch_size:
+            chunk.append(heapq.heappop(self._retries)[2])
+        chunk += (_Pending(i) for i in itertools.islice(self._fresh, self._batch_size - len(chunk)))
+        return chunk
+
+    def _answer(self, p: _Pending, code: int, message: str, result: pb.ImageResult | None) -> None:
+        if code == 0:
+            vector = np.array(result.embedding.values, np.float32)
+            self._store.add(p.item.ordinal, p.item.key, vector)
+            self.embedded += 1
+            self._on_progress(1)
+        elif code in RETRIED and p.attempts < self._attempts:
+            due = time.monotonic() + backoff(p.attempts)
+            heapq.heappush(self._retries, (due, p.item.ordinal, p))
+        else:
+            tries = f" (after {p.attempts} tries)" if code in RETRIED else ""
+            self._fail(p, _code_name(code), message + tries)
+
+    def _fail(self, p: _Pending, code: str, message: str) -> None:
+        self._store.fail(p.item.ordinal, p.item.key, str(p.item.path), code, message)
+        self.failed += 1
+        self._on_progress(1)
