@@ -154,6 +154,7 @@ async def aembed_catalog(
             attempts=attempts,
             commit_seconds=commit_seconds,
             on_progress=on_progress,
+            fp16=dtype == "float16",
         )
         try:
             if not store.complete:

@@ -131,6 +131,13 @@ def _keyed(items: Iterable[Item]) -> Iterable[tuple[object, bytes]]:
             yield index, item
 
 
+def vector_of(embedding: pb.Embedding) -> np.ndarray:
+    """An `Embedding`'s vector: float16 where the server sent halves, else float32."""
+    if embedding.values_fp16:
+        return np.frombuffer(embedding.values_fp16, "<f2").astype(np.float16)
+    return np.array(embedding.values, np.float32)
+
+
 class Client:
     def __init__(
         self,
@@ -512,15 +519,18 @@ class Client:
         batch_size: int = 16,
         model: str = "",
         max_in_flight: int = 8,
+        fp16: bool = False,
     ) -> AsyncIterator[EmbeddingResult]:
         """Embed every item over one stream; yields one EmbeddingResult per image: its key
-        and its vector (float32, norm 1, `model_info().embedding_dim` long), or its error.
+        and its vector (norm 1, `model_info().embedding_dim` long: float32, or float16 with
+        `fp16`, which also halves the bytes on the wire), or its error.
 
         Items are bytes, paths, or (key, bytes) pairs. A request-level error (a model without
         embeddings, an unknown model) is reported on each of that request's images. Vectors
         compare only within one `model_info().embedding_space`.
         """
-        fields = {"model": model, "outputs": [pb.EMBEDDING]}
+        dtype = pb.FLOAT16 if fp16 else pb.FLOAT32
+        fields = {"model": model, "outputs": [pb.EMBEDDING], "embedding_dtype": dtype}
         async for key, result, response in self._per_image(
             items, batch_size, max_in_flight, fields
         ):
@@ -533,8 +543,7 @@ class Client:
                     key, None, result.error.code, result.error.message, response.timing
                 )
             else:
-                vector = np.array(result.embedding.values, np.float32)
-                yield EmbeddingResult(key, vector, timing=response.timing)
+                yield EmbeddingResult(key, vector_of(result.embedding), timing=response.timing)
 
     async def _per_image(
         self, items: Iterable[Item], batch_size: int, max_in_flight: int, fields: dict

@@ -21,10 +21,10 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, It
 from dataclasses import dataclass
 
 import grpc
-import numpy as np
 
 from clients.catalog_errors import CatalogError
 from clients.catalog_inputs import CatalogItem
+from clients.client import vector_of
 from clients.shard_store import ShardStore
 from raystream.v1 import classifier_pb2 as pb
 
@@ -70,8 +70,11 @@ class EmbedJob:
         attempts: int = 5,
         commit_seconds: float = 300.0,
         on_progress: Callable[[int], None] = lambda n: None,
+        fp16: bool = False,
     ) -> None:
+        """`fp16`: the server sends each vector as halves (half the bytes on the wire)."""
         self._store = store
+        self._dtype = pb.FLOAT16 if fp16 else pb.FLOAT32
         self._fresh: Iterator[CatalogItem] = (i for i in items if not store.is_done(i.ordinal))
         self._model = model
         self._batch_size = batch_size
@@ -146,7 +149,11 @@ class EmbedJob:
                 request_id = str(next(self._ids))
                 pending[request_id] = sent
                 yield pb.ClassifyRequest(
-                    request_id=request_id, images=images, model=self._model, outputs=[pb.EMBEDDING]
+                    request_id=request_id,
+                    images=images,
+                    model=self._model,
+                    outputs=[pb.EMBEDDING],
+                    embedding_dtype=self._dtype,
                 )
 
         try:
@@ -186,7 +193,7 @@ class EmbedJob:
 
     def _answer(self, p: _Pending, code: int, message: str, result: pb.ImageResult | None) -> None:
         if code == 0:
-            vector = np.array(result.embedding.values, np.float32)
+            vector = vector_of(result.embedding)
             self._store.add(p.item.ordinal, p.item.key, vector)
             self.embedded += 1
             self._on_progress(1)

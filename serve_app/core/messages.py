@@ -59,7 +59,7 @@ class OipOutput:
     `k` labels, or the embedding."""
 
     name: str
-    kind: Literal["probabilities", "labels", "embedding"]
+    kind: Literal["probabilities", "labels", "embedding", "embedding_fp16"]
     k: int = 0  # labels per image (kind labels)
 
 
@@ -75,6 +75,7 @@ class Job:
     labels: bool = True  # the top_k labels per image (computed only for jobs that ask)
     scores: bool = False  # every class's probability per image
     embedding: bool = False  # the embedding per image (carried only for jobs that ask)
+    embedding_fp16: bool = False  # raystream.v1: the embedding as halves (values_fp16)
     deadline: float | None = None  # time.time() past which nobody waits for the answer
     flow: str = ""  # the stream or connection it came on: flows share the decoders in turn
     protocol: str = "v1"  # "v1" or "oip": the answer's format (serve_app/wire/answers.py)

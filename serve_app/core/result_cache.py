@@ -93,7 +93,8 @@ def asked(job: Job, routing: int = 0) -> bytes:
     if job.protocol == "oip":
         outputs = ",".join(f"{output.kind}:{output.k}" for output in job.oip_outputs)
     else:
-        outputs = f"labels:{job.top_k if job.labels else 0},embedding:{int(job.embedding)}"
+        embedding = f"{int(job.embedding)}{'h' if job.embedding_fp16 else ''}"
+        outputs = f"labels:{job.top_k if job.labels else 0},embedding:{embedding}"
     return f"{job.model}#{routing}\0{job.protocol}\0{outputs}\0".encode()
 
 

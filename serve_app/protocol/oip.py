@@ -10,6 +10,7 @@ Model interface:
 - output `probabilities`: FP32 [N, classes], softmax scores (the default output).
 - output `labels` (or any requested output with the `classification` parameter k, Triton's
   classification extension): BYTES [N, k], elements "score:class_id:name", best first.
+- output `embedding_fp16`: the same as FP16 [N, D], half the bytes (cosine >= 0.9999).
 - output `embedding`: FP32 [N, D], each image's L2-normalized embedding (a model exported
   with one; ModelMetadata lists it then).
 OIP has no per-item errors: a request with a bad image fails as a whole with
@@ -49,6 +50,7 @@ from serve_app.models.registry import parse_model_name
 from serve_app.protocol.streams import StreamRunner, TaskStarter
 from serve_app.protocol.v1 import budget_s, unary_handler
 from serve_app.wire.answers import OIP_EMBEDDING as EMBEDDING
+from serve_app.wire.answers import OIP_EMBEDDING_FP16 as EMBEDDING_FP16
 from serve_app.wire.answers import OIP_IMAGES as INPUT
 from serve_app.wire.answers import OIP_LABELS as LABELS
 from serve_app.wire.answers import OIP_PIXELS as PIXELS
@@ -142,9 +144,9 @@ def _outputs(request: oip.ModelInferRequest, embedding_dim: int) -> tuple[OipOut
             raise InvalidArgument(
                 f"output {clip(output.name)!r}: classification must be 1 or more, got {k}"
             )
-        if k and output.name == EMBEDDING:
+        if k and output.name in (EMBEDDING, EMBEDDING_FP16):
             raise InvalidArgument(
-                f"output {EMBEDDING!r} has no classes to rank: ask {LABELS!r} or {SCORES!r} "
+                f"output {output.name!r} has no classes to rank: ask {LABELS!r} or {SCORES!r} "
                 "for classification"
             )
         if output.name == SCORES and not k:
@@ -153,8 +155,11 @@ def _outputs(request: oip.ModelInferRequest, embedding_dim: int) -> tuple[OipOut
             wanted = OipOutput(output.name, "labels", k or DEFAULT_TOP_K)
         elif output.name == EMBEDDING:  # checked against the model by the caller
             wanted = OipOutput(EMBEDDING, "embedding")
+        elif output.name == EMBEDDING_FP16:
+            wanted = OipOutput(EMBEDDING_FP16, "embedding_fp16")
         else:
-            names = f"{SCORES}, {LABELS}" + (f", {EMBEDDING}" if embedding_dim else "")
+            embeddings = f", {EMBEDDING}, {EMBEDDING_FP16}" if embedding_dim else ""
+            names = f"{SCORES}, {LABELS}{embeddings}"
             raise InvalidArgument(f"unknown output {clip(output.name)!r}; outputs: {names}")
         if outputs.setdefault(wanted.name, wanted) != wanted:
             raise InvalidArgument(
@@ -208,7 +213,8 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
                 f"got {clip(str(names))}"
             )
         outputs = _outputs(request, model.engine.embedding_dim)
-        if any(output.kind == "embedding" for output in outputs):
+        embedding = any(output.kind.startswith("embedding") for output in outputs)
+        if embedding:
             core.check_embedding(model)
         top_k = core.top_k(max(output.k for output in outputs) or 1, model)
         if names == [PIXELS]:
@@ -222,7 +228,7 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
             top_k=top_k,
             labels=any(output.kind == "labels" for output in outputs),
             scores=any(output.kind == "probabilities" for output in outputs),
-            embedding=any(output.kind == "embedding" for output in outputs),
+            embedding=embedding,
             flow=flow,
             protocol="oip",
             oip_outputs=outputs,
@@ -348,7 +354,12 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
                 tensor(name=SCORES, datatype="FP32", shape=[-1, engine.num_classes]),
                 tensor(name=LABELS, datatype="BYTES", shape=[-1, -1]),
                 *(
-                    [tensor(name=EMBEDDING, datatype="FP32", shape=[-1, engine.embedding_dim])]
+                    [
+                        tensor(name=EMBEDDING, datatype="FP32", shape=[-1, engine.embedding_dim]),
+                        tensor(
+                            name=EMBEDDING_FP16, datatype="FP16", shape=[-1, engine.embedding_dim]
+                        ),
+                    ]
                     if engine.embedding_dim
                     else []
                 ),
@@ -371,11 +382,14 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
             oip.ModelOutput(name=LABELS, data_type=oip.TYPE_STRING, dims=[-1]),
         ]
         if engine.embedding_dim:
-            outputs.append(
+            outputs += [
                 oip.ModelOutput(
                     name=EMBEDDING, data_type=oip.TYPE_FP32, dims=[engine.embedding_dim]
-                )
-            )
+                ),
+                oip.ModelOutput(
+                    name=EMBEDDING_FP16, data_type=oip.TYPE_FP16, dims=[engine.embedding_dim]
+                ),
+            ]
         versions = [int(m.version) for m in core.versions(model.name) if m.version.isdigit()]
         return oip.ModelConfigResponse(
             config=oip.ModelConfig(

@@ -156,6 +156,11 @@ class ClassifierService:
             labels, embedding = outputs(request.outputs)
             if embedding:
                 core.check_embedding(model)
+            if request.embedding_dtype not in (pb.FLOAT32, pb.FLOAT16):
+                raise InvalidArgument(
+                    f"unknown embedding_dtype {request.embedding_dtype}; "
+                    f"FLOAT32 ({pb.FLOAT32}) or FLOAT16 ({pb.FLOAT16})"
+                )
             pixels = None
             if request.HasField("pixels"):
                 if images:
@@ -171,6 +176,7 @@ class ClassifierService:
                 top_k=top_k,
                 labels=labels,
                 embedding=embedding,
+                embedding_fp16=request.embedding_dtype == pb.FLOAT16,
                 flow=flow,
                 model=model.key,
             )

@@ -31,6 +31,7 @@ from serve_app.errors import Code
 # OIP tensor names (serve_app/protocol/oip.py documents the model interface)
 OIP_IMAGES, OIP_PIXELS, OIP_SCORES, OIP_LABELS = "images", "pixels", "probabilities", "labels"
 OIP_EMBEDDING = "embedding"
+OIP_EMBEDDING_FP16 = "embedding_fp16"  # the same vectors as FP16: half the bytes
 
 
 def failed(job: Job, failure: Failure, timing: StageTiming | None = None) -> Answer:
@@ -94,10 +95,13 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def embedding_bytes(vector: np.ndarray) -> bytes:
+def embedding_bytes(vector: np.ndarray, fp16: bool = False) -> bytes:
     """`vector` as a serialized raystream.v1 `Embedding`: its packed `values` are the
-    vector's little-endian float32 bytes after a header (field 1, length-delimited). Merged
-    into a result, 4x faster than filling `values` from Python floats."""
+    vector's little-endian float32 bytes after a header (field 1, length-delimited), or
+    (`fp16`) `values_fp16` its halves (field 2). Merged into a result, 4x faster than
+    filling `values` from Python floats."""
+    if fp16:
+        return b"\x12" + _varint(2 * len(vector)) + vector.astype("<f2").tobytes()
     return b"\x0a" + _varint(4 * len(vector)) + vector.astype("<f4", copy=False).tobytes()
 
 
@@ -145,7 +149,7 @@ class _V1Results:
                 score = raw[4 * i : 4 * i + 4]
                 parts += (scored[class_id], score) if score != ZERO_FLOAT else (unscored[class_id],)
         if job.embedding:  # field 3, after the labels (field 1): as SerializeToString orders them
-            vector = embedding_bytes(self._embeddings[row])
+            vector = embedding_bytes(self._embeddings[row], job.embedding_fp16)
             parts += (b"\x1a", _varint(len(vector)), vector)
         data = b"".join(parts)
         return b"\x12" + _varint(len(data)) + data
@@ -210,6 +214,7 @@ def oip_widths(
 ) -> tuple[int, ...]:
     """Each output's elements per image."""
     width = {"probabilities": num_classes, "embedding": embedding_dim}
+    width["embedding_fp16"] = embedding_dim
     return tuple(width.get(output.kind, output.k) for output in outputs)
 
 
@@ -221,7 +226,7 @@ def answer_bytes_bound(job: Job, num_classes: int, embedding_dim: int, label_byt
     label = LABEL_OVERHEAD_BYTES + len(str(num_classes)) + label_bytes
     vector = 4 * embedding_dim + 8
     if job.protocol == "oip":
-        width = {"probabilities": 4 * num_classes, "embedding": vector}
+        width = {"probabilities": 4 * num_classes, "embedding": vector, "embedding_fp16": vector}
         per_image = sum(width.get(out.kind, out.k * label) for out in job.oip_outputs)
     else:
         per_image = job.labels * job.top_k * label + job.embedding * vector
@@ -241,6 +246,8 @@ def _oip_rows(batch: Batch, row: int, job: Job, spec: ModelSpec) -> tuple[bytes,
             out.append(batch.probabilities[row].astype("<f4", copy=False).tobytes())
         elif output.kind == "embedding":
             out.append(batch.embeddings[row].astype("<f4", copy=False).tobytes())
+        elif output.kind == "embedding_fp16":
+            out.append(batch.embeddings[row].astype("<f2").tobytes())
         else:
             elements = [
                 f"{score:f}:{class_id}:{spec.labels[class_id]}".encode()
@@ -270,7 +277,7 @@ def oip_answer(
             return Answer(b"", int(Code.INVALID_ARGUMENT), message=message, timing=timing)
     response = oip.ModelInferResponse(model_name=name, model_version=version, id=job.id)
     for index, (output, width) in enumerate(zip(job.oip_outputs, widths, strict=True)):
-        datatype = "BYTES" if output.kind == "labels" else "FP32"
+        datatype = {"labels": "BYTES", "embedding_fp16": "FP16"}.get(output.kind, "FP32")
         response.outputs.add(name=output.name, datatype=datatype, shape=[len(fragments), width])
         response.raw_output_contents.append(b"".join(rows[index] for rows in fragments))
     return Answer(

@@ -257,3 +257,49 @@ def test_embed_and_similar_keep_to_one_model_version(
         assert missing.returncode == 1 and "NOT_FOUND" in missing.stdout, missing.stdout
     finally:
         serve.delete("versions")
+
+
+async def test_fp16_vectors_on_both_apis_are_the_fp32_ones_in_half_the_bytes(
+    server, test_set
+) -> None:
+    """raystream.v1's embedding_dtype FLOAT16 and OIP's `embedding_fp16` output: the same
+    vectors as halves, cosine >= 0.9999 to FP32, half the bytes of the answer's vectors."""
+    import grpc
+
+    from raystream.oip import grpc_predict_v2_pb2 as oip
+    from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
+
+    names = sorted(test_set)
+    items = [(name, test_set[name]) for name in names]
+    async with Client(server) as client:
+        full = {r.key: r async for r in client.embed(items, batch_size=7)}
+        half = {r.key: r async for r in client.embed(items, batch_size=7, fp16=True)}
+    f32 = np.stack([full[n].vector for n in names])
+    f16 = np.stack([half[n].vector for n in names])
+    assert f32.dtype == np.float32 and f16.dtype == np.float16
+    assert cosines(f16.astype(np.float32), f32).min() >= 0.9999
+    request = pb.ClassifyRequest(images=[test_set["chelsea"]], outputs=[pb.EMBEDDING])
+    sizes = []
+    for dtype in (pb.FLOAT32, pb.FLOAT16):
+        request.embedding_dtype = dtype
+        answers = await _stream(server, [request])
+        sizes.append(len(answers[""].results[0].embedding.SerializeToString()))
+    assert sizes[1] <= sizes[0] // 2 + 8
+    bad = pb.ClassifyRequest(request_id="bad", images=[test_set["chelsea"]], embedding_dtype=7)
+    assert (await _stream(server, [bad]))["bad"].error.code == INVALID_ARGUMENT
+
+    oip_request = oip.ModelInferRequest(model_name="efficientnet-lite0", id="h")
+    oip_request.inputs.add(name="images", datatype="BYTES", shape=[2])
+    chosen = [test_set["chelsea"], test_set["coffee"]]
+    oip_request.raw_input_contents.append(
+        b"".join(len(i).to_bytes(4, "little") + i for i in chosen)
+    )
+    for name in ("embedding", "embedding_fp16"):
+        oip_request.outputs.add(name=name)
+    async with grpc.aio.insecure_channel(server) as channel:
+        reply = await oip_grpc.GRPCInferenceServiceStub(channel).ModelInfer(oip_request)
+    assert [o.datatype for o in reply.outputs] == ["FP32", "FP16"]
+    o32 = np.frombuffer(reply.raw_output_contents[0], "<f4").reshape(2, -1)
+    o16 = np.frombuffer(reply.raw_output_contents[1], "<f2").reshape(2, -1)
+    assert len(reply.raw_output_contents[1]) * 2 == len(reply.raw_output_contents[0])
+    assert cosines(o16.astype(np.float32), o32).min() >= 0.9999

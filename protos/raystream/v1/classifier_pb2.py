@@ -24,35 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1draystream/v1/classifier.proto\x12\x0craystream.v1\"\xb4\x01\n\x0f\x43lassifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06images\x18\x02 \x03(\x0c\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\x12$\n\x06pixels\x18\x06 \x01(\x0b\x32\x14.raystream.v1.Tensor\x12%\n\x07outputs\x18\x07 \x03(\x0e\x32\x14.raystream.v1.Output\"%\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x9c\x01\n\x10\x43lassifyResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x07results\x18\x02 \x03(\x0b\x32\x19.raystream.v1.ImageResult\x12$\n\x06timing\x18\x03 \x01(\x0b\x32\x14.raystream.v1.Timing\x12\"\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x13.raystream.v1.Error\"\x82\x01\n\x0bImageResult\x12#\n\x06labels\x18\x01 \x03(\x0b\x32\x13.raystream.v1.Label\x12\"\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x13.raystream.v1.Error\x12*\n\tembedding\x18\x03 \x01(\x0b\x32\x17.raystream.v1.Embedding\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"6\n\x05Label\x12\x10\n\x08\x63lass_id\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05score\x18\x03 \x01(\x02\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x9a\x01\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x15\n\rpreprocess_ms\x18\x02 \x01(\x01\x12\x14\n\x0cinference_ms\x18\x03 \x01(\x01\x12\x16\n\x0epostprocess_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x13\n\x0b\x64ispatch_ms\x18\x07 \x01(\x01\"!\n\x10ModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xce\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x13\n\x0binput_shape\x18\x04 \x03(\x03\x12\x13\n\x0bnum_classes\x18\x05 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\r\x12\x11\n\tprecision\x18\x07 \x01(\t\x12\x15\n\rembedding_dim\x18\x08 \x01(\r\x12\x17\n\x0f\x65mbedding_space\x18\t \x01(\t\x12\r\n\x05route\x18\n \x03(\t*;\n\x06Output\x12\x16\n\x12OUTPUT_UNSPECIFIED\x10\x00\x12\n\n\x06LABELS\x10\x01\x12\r\n\tEMBEDDING\x10\x02\x32\xf8\x01\n\x0fImageClassifier\x12M\n\x08\x43lassify\x12\x1d.raystream.v1.ClassifyRequest\x1a\x1e.raystream.v1.ClassifyResponse(\x01\x30\x01\x12M\n\x0c\x43lassifyOnce\x12\x1d.raystream.v1.ClassifyRequest\x1a\x1e.raystream.v1.ClassifyResponse\x12G\n\x0cGetModelInfo\x12\x1e.raystream.v1.ModelInfoRequest\x1a\x17.raystream.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1draystream/v1/classifier.proto\x12\x0craystream.v1\"\xeb\x01\n\x0f\x43lassifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06images\x18\x02 \x03(\x0c\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\x12$\n\x06pixels\x18\x06 \x01(\x0b\x32\x14.raystream.v1.Tensor\x12%\n\x07outputs\x18\x07 \x03(\x0e\x32\x14.raystream.v1.Output\x12\x35\n\x0f\x65mbedding_dtype\x18\x08 \x01(\x0e\x32\x1c.raystream.v1.EmbeddingDtype\"%\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x9c\x01\n\x10\x43lassifyResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x07results\x18\x02 \x03(\x0b\x32\x19.raystream.v1.ImageResult\x12$\n\x06timing\x18\x03 \x01(\x0b\x32\x14.raystream.v1.Timing\x12\"\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x13.raystream.v1.Error\"\x82\x01\n\x0bImageResult\x12#\n\x06labels\x18\x01 \x03(\x0b\x32\x13.raystream.v1.Label\x12\"\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x13.raystream.v1.Error\x12*\n\tembedding\x18\x03 \x01(\x0b\x32\x17.raystream.v1.Embedding\"0\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x13\n\x0bvalues_fp16\x18\x02 \x01(\x0c\"6\n\x05Label\x12\x10\n\x08\x63lass_id\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05score\x18\x03 \x01(\x02\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x9a\x01\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x15\n\rpreprocess_ms\x18\x02 \x01(\x01\x12\x14\n\x0cinference_ms\x18\x03 \x01(\x01\x12\x16\n\x0epostprocess_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x13\n\x0b\x64ispatch_ms\x18\x07 \x01(\x01\"!\n\x10ModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xce\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x13\n\x0binput_shape\x18\x04 \x03(\x03\x12\x13\n\x0bnum_classes\x18\x05 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\r\x12\x11\n\tprecision\x18\x07 \x01(\t\x12\x15\n\rembedding_dim\x18\x08 \x01(\r\x12\x17\n\x0f\x65mbedding_space\x18\t \x01(\t\x12\r\n\x05route\x18\n \x03(\t**\n\x0e\x45mbeddingDtype\x12\x0b\n\x07\x46LOAT32\x10\x00\x12\x0b\n\x07\x46LOAT16\x10\x01*;\n\x06Output\x12\x16\n\x12OUTPUT_UNSPECIFIED\x10\x00\x12\n\n\x06LABELS\x10\x01\x12\r\n\tEMBEDDING\x10\x02\x32\xf8\x01\n\x0fImageClassifier\x12M\n\x08\x43lassify\x12\x1d.raystream.v1.ClassifyRequest\x1a\x1e.raystream.v1.ClassifyResponse(\x01\x30\x01\x12M\n\x0c\x43lassifyOnce\x12\x1d.raystream.v1.ClassifyRequest\x1a\x1e.raystream.v1.ClassifyResponse\x12G\n\x0cGetModelInfo\x12\x1e.raystream.v1.ModelInfoRequest\x1a\x17.raystream.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'raystream.v1.classifier_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OUTPUT']._serialized_start=1087
-  _globals['_OUTPUT']._serialized_end=1146
+  _globals['_EMBEDDINGDTYPE']._serialized_start=1163
+  _globals['_EMBEDDINGDTYPE']._serialized_end=1205
+  _globals['_OUTPUT']._serialized_start=1207
+  _globals['_OUTPUT']._serialized_end=1266
   _globals['_CLASSIFYREQUEST']._serialized_start=48
-  _globals['_CLASSIFYREQUEST']._serialized_end=228
-  _globals['_TENSOR']._serialized_start=230
-  _globals['_TENSOR']._serialized_end=267
-  _globals['_CLASSIFYRESPONSE']._serialized_start=270
-  _globals['_CLASSIFYRESPONSE']._serialized_end=426
-  _globals['_IMAGERESULT']._serialized_start=429
-  _globals['_IMAGERESULT']._serialized_end=559
-  _globals['_EMBEDDING']._serialized_start=561
-  _globals['_EMBEDDING']._serialized_end=588
-  _globals['_LABEL']._serialized_start=590
-  _globals['_LABEL']._serialized_end=644
-  _globals['_ERROR']._serialized_start=646
-  _globals['_ERROR']._serialized_end=684
-  _globals['_TIMING']._serialized_start=687
-  _globals['_TIMING']._serialized_end=841
-  _globals['_MODELINFOREQUEST']._serialized_start=843
-  _globals['_MODELINFOREQUEST']._serialized_end=876
-  _globals['_MODELINFO']._serialized_start=879
-  _globals['_MODELINFO']._serialized_end=1085
-  _globals['_IMAGECLASSIFIER']._serialized_start=1149
-  _globals['_IMAGECLASSIFIER']._serialized_end=1397
+  _globals['_CLASSIFYREQUEST']._serialized_end=283
+  _globals['_TENSOR']._serialized_start=285
+  _globals['_TENSOR']._serialized_end=322
+  _globals['_CLASSIFYRESPONSE']._serialized_start=325
+  _globals['_CLASSIFYRESPONSE']._serialized_end=481
+  _globals['_IMAGERESULT']._serialized_start=484
+  _globals['_IMAGERESULT']._serialized_end=614
+  _globals['_EMBEDDING']._serialized_start=616
+  _globals['_EMBEDDING']._serialized_end=664
+  _globals['_LABEL']._serialized_start=666
+  _globals['_LABEL']._serialized_end=720
+  _globals['_ERROR']._serialized_start=722
+  _globals['_ERROR']._serialized_end=760
+  _globals['_TIMING']._serialized_start=763
+  _globals['_TIMING']._serialized_end=917
+  _globals['_MODELINFOREQUEST']._serialized_start=919
+  _globals['_MODELINFOREQUEST']._serialized_end=952
+  _globals['_MODELINFO']._serialized_start=955
+  _globals['_MODELINFO']._serialized_end=1161
+  _globals['_IMAGECLASSIFIER']._serialized_start=1269
+  _globals['_IMAGECLASSIFIER']._serialized_end=1517
 # @@protoc_insertion_point(module_scope)

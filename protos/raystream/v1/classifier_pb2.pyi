@@ -7,17 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class EmbeddingDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FLOAT32: _ClassVar[EmbeddingDtype]
+    FLOAT16: _ClassVar[EmbeddingDtype]
+
 class Output(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     OUTPUT_UNSPECIFIED: _ClassVar[Output]
     LABELS: _ClassVar[Output]
     EMBEDDING: _ClassVar[Output]
+FLOAT32: EmbeddingDtype
+FLOAT16: EmbeddingDtype
 OUTPUT_UNSPECIFIED: Output
 LABELS: Output
 EMBEDDING: Output
 
 class ClassifyRequest(_message.Message):
-    __slots__ = ("request_id", "images", "top_k", "model", "timeout_ms", "pixels", "outputs")
+    __slots__ = ("request_id", "images", "top_k", "model", "timeout_ms", "pixels", "outputs", "embedding_dtype")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +32,7 @@ class ClassifyRequest(_message.Message):
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     PIXELS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DTYPE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     images: _containers.RepeatedScalarFieldContainer[bytes]
     top_k: int
@@ -32,7 +40,8 @@ class ClassifyRequest(_message.Message):
     timeout_ms: int
     pixels: Tensor
     outputs: _containers.RepeatedScalarFieldContainer[Output]
-    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., top_k: _Optional[int] = ..., model: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., pixels: _Optional[_Union[Tensor, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ...) -> None: ...
+    embedding_dtype: EmbeddingDtype
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., top_k: _Optional[int] = ..., model: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., pixels: _Optional[_Union[Tensor, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., embedding_dtype: _Optional[_Union[EmbeddingDtype, str]] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("shape", "data")
@@ -65,10 +74,12 @@ class ImageResult(_message.Message):
     def __init__(self, labels: _Optional[_Iterable[_Union[Label, _Mapping]]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., embedding: _Optional[_Union[Embedding, _Mapping]] = ...) -> None: ...
 
 class Embedding(_message.Message):
-    __slots__ = ("values",)
+    __slots__ = ("values", "values_fp16")
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FP16_FIELD_NUMBER: _ClassVar[int]
     values: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+    values_fp16: bytes
+    def __init__(self, values: _Optional[_Iterable[float]] = ..., values_fp16: _Optional[bytes] = ...) -> None: ...
 
 class Label(_message.Message):
     __slots__ = ("class_id", "name", "score")
