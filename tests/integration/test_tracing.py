@@ -88,6 +88,22 @@ def traced_server(ray_cluster, model_repository, receiver):
     serve.delete(APP)
 
 
+@pytest.fixture(scope="module")
+async def over_ports(traced_server, photos) -> str:
+    """The server once its stage calls go over the ports (the ingress reads the replicas'
+    addresses every second; before, calls go by handle)."""
+    from ray import serve
+
+    postprocess = serve.get_deployment_handle("Postprocess", app_name=APP)
+    async with Client(traced_server) as client:
+        for _ in range(40):
+            await client.classify_once([photos["coffee"]])
+            if await postprocess.port_calls.remote():
+                return traced_server
+            await asyncio.sleep(0.25)
+    raise AssertionError("the stage calls never went over the ports")
+
+
 def _traceparent(sampled: bool = True) -> tuple[str, str, str]:
     trace_id, span_id = os.urandom(16).hex(), os.urandom(8).hex()
     return f"00-{trace_id}-{span_id}-{'01' if sampled else '00'}", trace_id, span_id
@@ -135,11 +151,11 @@ def _check_tree(spans: list[dict], client_span: str) -> None:
 
 
 async def test_a_client_trace_holds_the_spans_of_every_process(
-    traced_server, receiver, photos
+    over_ports, receiver, photos
 ) -> None:
     """raystream.v1 (stream and unary) and OIP (unary and stream): each request, sent with a
     traceparent of its own, gets one tree under the client's span."""
-    sent = []
+    traced_server, sent = over_ports, []
     async with Client(traced_server) as client:
         for _ in range(2):
             header, trace_id, span_id = _traceparent()
