@@ -136,8 +136,38 @@ def _image_paths(paths: Sequence[str]) -> list[Path]:
     return found
 
 
+async def _classify_traced(args: argparse.Namespace) -> int:
+    """`classify --trace`: each request a unary call with a fresh W3C traceparent (sampled),
+    its trace id printed before each of its files' labels."""
+    from clients.client import Client
+
+    paths, failed = _image_paths(args.paths), 0
+    async with Client(args.server, timeout=args.timeout, **_connection(args)) as client:
+        for start in range(0, len(paths), args.batch_size):
+            batch = paths[start : start + args.batch_size]
+            trace_id = os.urandom(16).hex()
+            traceparent = f"00-{trace_id}-{os.urandom(8).hex()}-01"
+            response = await client.classify_once(
+                [path.read_bytes() for path in batch],
+                top_k=args.top_k,
+                model=args.model,
+                metadata=(("traceparent", traceparent),),
+            )
+            for path, result in zip(batch, response.results, strict=True):
+                if result.HasField("error") and result.error.code:
+                    failed += 1
+                    text = f"ERROR {status_name(result.error.code)}: {result.error.message}"
+                else:
+                    text = "  ".join(f"{lb.name} {lb.score:.3f}" for lb in result.labels)
+                print(f"trace {trace_id}  {path}  {text}", flush=True)
+    return 1 if failed else 0
+
+
 async def _classify(args: argparse.Namespace) -> int:
     from tqdm import tqdm
+
+    if args.trace:
+        return await _classify_traced(args)
 
     from clients.client import Client
 
@@ -510,6 +540,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", help="image files or folders")
     p.add_argument("--top-k", type=count(), default=5, help="labels per image (default 5)")
     p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="send each request as a unary call with a fresh W3C traceparent and print its "
+        "trace id (the server's spans join it where tracing is on)",
+    )
     _add_stream_options(p)
     p.set_defaults(func=cmd_classify)
 

@@ -25,7 +25,7 @@ import collections
 import functools
 import itertools
 import operator
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -407,9 +407,11 @@ class Client:
         *,
         top_k: int = 5,
         model: str = "",
+        metadata: Sequence[tuple[str, str]] = (),
     ) -> pb.ClassifyResponse:
         """Unary call on `images` (or on a ready-made request), on the connection with the
-        fewest unary calls in flight (ties take turns)."""
+        fewest unary calls in flight (ties take turns). `metadata`: sent with the call, such
+        as a W3C `traceparent` (the server's spans then join the caller's trace)."""
         request = (
             images
             if isinstance(images, pb.ClassifyRequest | EncodedRequest)
@@ -422,8 +424,9 @@ class Client:
         self._turn = index + 1
         self._unary[index] += 1
         try:
+            sent = (*(self._metadata or ()), *metadata) or None
             return await self._stubs[index].ClassifyOnce(
-                request, timeout=self._timeout, metadata=self._metadata
+                request, timeout=self._timeout, metadata=sent
             )
         finally:
             self._unary[index] -= 1

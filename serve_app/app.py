@@ -98,7 +98,7 @@ class Stages:
         self.memory_bytes = self._group.memory_bytes
 
     async def run(self, batch: Batch) -> Batch | list[Answer]:
-        return await self._pass_on(await self._group.run(batch))
+        return await self._pass_on(await self._group.run(batch, "handle"))
 
     async def _run_port_call(self, batch: Batch) -> Batch:
         """This group's part of a call over the port, counted while its own stages hold it
@@ -107,7 +107,7 @@ class Stages:
         self._port_calls_here += 1
         self._metrics.port_calls.set(self._port_calls_here)
         try:
-            return await self._group.run(batch)
+            return await self._group.run(batch, "port")
         finally:
             self._port_calls_here -= 1
             self._metrics.port_calls.set(self._port_calls_here)

@@ -125,6 +125,19 @@ class CacheConfig(_Strict):
     max_bytes: int = Field(256 * 1024 * 1024, ge=0)
 
 
+class TracingConfig(_Strict):
+    """OpenTelemetry traces of requests (serve_app/observability/tracing.py): spans from the
+    ingress and every stage replica, exported over OTLP gRPC to a collector. Off by default."""
+
+    enabled: bool = False
+    # Head sampling of requests that come without a sampled W3C traceparent; a request whose
+    # client sends a sampled one is always traced (parent-based), one sent unsampled never.
+    sample_ratio: float = Field(0.01, ge=0.0, le=1.0)
+    otlp_endpoint: str = "127.0.0.1:4317"  # host:port of an OTLP gRPC collector (plaintext)
+    # How long finished spans wait in a replica before they are sent, in one batch.
+    export_delay_s: float = Field(5.0, gt=0.0, le=60.0)
+
+
 class ModelEntry(_Strict):
     """A model the application serves, and which of its versions (its version policy):
     the `latest` N versions in the repository (default 1), or the `versions` listed."""
@@ -163,6 +176,7 @@ class AppConfig(_Strict):
     security: SecurityConfig = SecurityConfig()
     model_control: ModelControlConfig = ModelControlConfig()
     cache: CacheConfig = CacheConfig()
+    tracing: TracingConfig = TracingConfig()
     preprocess_threads: int = Field(2, ge=1, le=64)  # PIL releases the GIL while decoding
     # Which deployments run the stages (serve_app/pipeline/topology.py): chained (Preprocess,
     # Inference, Postprocess: three deployments), fused (one deployment runs all three),

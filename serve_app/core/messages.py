@@ -83,6 +83,9 @@ class Job:
     model: str = ""  # the model version that answers: "name/version" (empty: the default)
     count: int = -1  # images in the request; kept when a stage drops the inputs it used
     fragments: bool = False  # answer with each image's fragment too (the result cache's)
+    # A traced request's W3C traceparent: the span the next stage's spans hang under
+    # (serve_app/observability/tracing.py); empty when not traced.
+    trace: str = ""
 
     def __post_init__(self) -> None:
         if self.count < 0:

@@ -39,7 +39,9 @@ from serve_app.errors import (
     replica_lost,
 )
 from serve_app.models.registry import parse_model_name
+from serve_app.observability import tracing
 from serve_app.observability.metrics import IngressMetrics
+from serve_app.observability.tracing import RequestTrace
 from serve_app.wire.answers import answer_bytes_bound, failed, with_ingress_times
 
 logger = logging.getLogger(__name__)
@@ -67,6 +69,7 @@ class _Pending:
     done: bool = False
     timer: asyncio.TimerHandle | None = None
     cached: object = None  # under the result cache: its state there, until answered
+    trace: RequestTrace | None = None  # a sampled request's spans (tracing on)
 
 
 class ServingCore:
@@ -104,6 +107,7 @@ class ServingCore:
         # kernel hashes each connection to one of them; GetModelInfo's trailing metadata
         # lets a client see where it landed.
         self.replica = f"{socket.gethostname()}:{os.getpid()}"
+        self.stage_transport = ""  # how calls reach the stages (its traces say so)
 
     # -- the model versions routed ---------------------------------------------------------
 
@@ -237,10 +241,12 @@ class ServingCore:
         reply: Callable[[Answer], None],
         stream: str,
         budget_s: float | None = None,
+        trace_parent: str = "",
     ) -> _Pending | None:
         """Run `job` through the stages; `reply` gets exactly one Answer, the result or the
         failure, by `budget_s` seconds at the latest (DEADLINE_EXCEEDED). Returns what
-        `abandon` takes (None if refused at once)."""
+        `abandon` takes (None if refused at once). `trace_parent`: the client's W3C
+        traceparent, if it sent one (tracing on)."""
         if self._metrics_export is None:
             self._metrics_export = asyncio.create_task(self._export_metrics())
         if self.requests_in_flight >= self._limits.max_in_flight_requests:
@@ -255,6 +261,8 @@ class ServingCore:
         if budget_s is not None:  # the deadline travels with the job: stages drop it late
             job = dataclasses.replace(job, deadline=time.time() + budget_s)
         pending = _Pending(job, reply, stream, time.perf_counter())
+        if tracing.enabled():
+            pending.trace = tracing.start_request(job, trace_parent, stream)
         self.in_flight_by_model[job.model] += 1
         if budget_s is not None:
             late = DeadlineExceeded(f"no answer within the {budget_s * 1000:.0f} ms deadline")
@@ -283,6 +291,9 @@ class ServingCore:
             if pending.timer is not None:
                 pending.timer.cancel()
             self._done(pending.job)
+            if pending.trace is not None:
+                pending.trace.abandoned()
+                pending.trace = None
             count = pending.job.count
             self._metrics.record(
                 code="CANCELLED",
@@ -319,10 +330,11 @@ class ServingCore:
             items = [item for item in items if not item.done]  # a deadline answered some
             if not items:
                 return
+            jobs = tuple(item.job for item in items)
+            if tracing.enabled():
+                jobs = self._traced(items, jobs)
             try:
-                answers = await self._run(
-                    Batch(jobs=tuple(item.job for item in items), model=model)
-                )
+                answers = await self._run(Batch(jobs=jobs, model=model))
                 break
             except (Exception, asyncio.CancelledError) as exc:
                 if isinstance(exc, asyncio.CancelledError) and cancelled_itself():
@@ -340,6 +352,15 @@ class ServingCore:
                 answers = [failed(item.job, failure) for item in items]
                 break
         self._answer(items, answers)
+
+    def _traced(self, items: list[_Pending | Part], jobs: tuple[Job, ...]) -> tuple[Job, ...]:
+        """`jobs` as a call carries them: a sampled request's job with its call's span."""
+        traced = list(jobs)
+        for index, item in enumerate(items):
+            pending = item.request.pending if isinstance(item, Part) else item
+            if pending.trace is not None:
+                traced[index] = pending.trace.start_call(jobs[index], self.stage_transport)
+        return tuple(traced)
 
     def _answer(self, items: list[_Pending | Part], answers: list[Answer]) -> None:
         for item, answer in zip(items, answers, strict=True):
@@ -376,11 +397,17 @@ class ServingCore:
             payload = with_ingress_times(answer.payload, total_ms, dispatch_ms)
             answer = copied(answer, payload=payload)
         self._record(pending.job, answer, total_ms, pending.stream, dispatch_ms)
+        if pending.trace is not None:
+            pending.trace.end(code_name(answer.code), answer.message)
+            answering = time.time_ns()
         try:
             pending.reply(answer)
         except Exception:  # one caller's failure must not cost the call's other requests
             logger.exception("answering request %r failed", pending.job.id)
         finally:
+            if pending.trace is not None:
+                pending.trace.answered(answering)
+                pending.trace = None
             # Streams keep their pending handles until they end (to abandon what is left): a
             # finished one must not keep its request's images alive.
             pending.job, pending.reply = None, None

@@ -31,6 +31,7 @@ from serve_app.ingress.security import TokenAuth, server_credentials
 from serve_app.models.lifecycle import ModelLifecycle
 from serve_app.models.registry import POLL_S, ModelRegistry
 from serve_app.models.registry_actor import ActorStore
+from serve_app.observability import tracing
 from serve_app.observability.logs import to_serve_log
 from serve_app.observability.metrics import resident_memory_bytes
 from serve_app.pipeline.route import route
@@ -61,6 +62,7 @@ class Ingress:
         to_serve_log()
         self._server: grpc.aio.Server | None = None
         self._config = AppConfig.model_validate(config)
+        tracing.configure(self._config.tracing, "Ingress")
         self._local: StageGroup | None = None
         self._chain: StageChain | None = None
         replica = serve.get_replica_context().replica_id.unique_id
@@ -91,6 +93,7 @@ class Ingress:
             limits.max_in_flight_per_stream, limits.max_stream_buffer_bytes
         )
         self._core = ServingCore(self._config, [], run)
+        self._core.stage_transport = "local" if self._chain is None else self._chain.transport
         self._models = ModelLifecycle(
             self._core,
             registry,

@@ -23,10 +23,12 @@ import ctypes
 import gc
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from engines.repository import ModelRef, ModelSpec, PreprocessSpec, resolve, select_versions
@@ -34,7 +36,9 @@ from serve_app.config import MESSAGE_LIMIT_ENV, AppConfig, Group
 from serve_app.core.messages import Answer, Batch, Served
 from serve_app.errors import Unavailable, clip
 from serve_app.models.registry import POLL_S, ModelRegistry, key_of, split_key
+from serve_app.observability import tracing
 from serve_app.observability.metrics import StageCallMetrics, resident_memory_bytes
+from serve_app.observability.tracing import StageTrace
 from serve_app.stages.inference import InferenceStage
 from serve_app.stages.postprocess import PostprocessStage
 from serve_app.stages.preprocess import PreprocessStage, load_model
@@ -183,11 +187,19 @@ class ModelStages:
             PostprocessStage(spec) if "postprocess" in stages else None,
         )
 
-    async def run(self, batch: Batch) -> Batch | list[Answer]:
+    async def run(self, batch: Batch, trace: StageTrace | None = None) -> Batch | list[Answer]:
+        """`trace`: the batch's spans here, where any of its requests is traced."""
         if self.preprocess is not None:
+            started, before = time.perf_counter(), batch
             batch = await self.preprocess.run(batch)
+            if trace is not None:
+                on_cpu = isinstance(batch.crops, np.ndarray | None) and not batch.jpegs
+                trace.decoded(started, before, batch, "cpu" if on_cpu else "gpu")
         if self.inference is not None:
+            started = time.perf_counter()
             batch = await self.inference.run(batch)
+            if trace is not None:
+                trace.inferred(started, batch)
         if self.postprocess is not None:
             return await self.postprocess.run(batch)
         return batch
@@ -250,6 +262,13 @@ class StageGroup:
         group._preprocess: dict[PreprocessSpec, PreprocessStage] = {}
         group._user_config: dict | None = None
         group._default = config.model
+        tracing.configure(config.tracing, deployment or "Ingress")
+        group._trace_attributes = {
+            "raystream.deployment": deployment or "Ingress",
+            "raystream.replica": replica,
+            "raystream.node": address.rpartition(":")[0] or _node_address(),
+            "raystream.pid": os.getpid(),
+        }
         initial = initial_versions(config)
         wanted = initial if registry is None else list(registry.start(initial))
         await group._sync(wanted, at_start=True)
@@ -402,8 +421,19 @@ class StageGroup:
             f"request was in flight, or not loaded here yet)"
         )
 
-    async def run(self, batch: Batch) -> Batch | list[Answer]:
-        return await self.model(batch.model).run(batch)
+    async def run(self, batch: Batch, transport: str = "") -> Batch | list[Answer]:
+        """`transport`: how the batch came (port or handle; its traces say so)."""
+        attributes = {**self._trace_attributes, "raystream.transport": transport}
+        trace = tracing.start_stage(batch, attributes)
+        if trace is None:
+            return await self.model(batch.model).run(batch)
+        try:
+            result = await self.model(batch.model).run(batch, trace)
+        except BaseException as exc:
+            trace.end(exc)
+            raise
+        trace.end()
+        return result if isinstance(result, list) else trace.passed_on(result)
 
     def info(self, key: str = "") -> Served:
         """What is served: only the group that holds inference knows its engine."""
@@ -434,6 +464,12 @@ class StageGroup:
     @staticmethod
     def pid() -> int:
         return os.getpid()
+
+
+def _node_address() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else ""
 
 
 def return_freed_memory() -> None:

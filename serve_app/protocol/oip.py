@@ -47,6 +47,7 @@ from serve_app.errors import (
 )
 from serve_app.models.lifecycle import ModelLifecycle
 from serve_app.models.registry import parse_model_name
+from serve_app.observability import tracing
 from serve_app.protocol.streams import StreamRunner, TaskStarter
 from serve_app.protocol.v1 import budget_s, unary_handler
 from serve_app.wire.answers import OIP_EMBEDDING as EMBEDDING
@@ -252,7 +253,7 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
             except RaystreamError as exc:
                 job = Job(id=core.bounded_id(request.id), protocol="oip")
                 return core.refuse(job, exc, reply, stream)
-            return core.submit(job, reply, stream, budget)
+            return core.submit(job, reply, stream, budget, tracing.client_parent(context))
 
         return await core.unary(start)
 

@@ -22,6 +22,7 @@ from serve_app.errors import (
     clip,
     parsed_or_none,
 )
+from serve_app.observability import tracing
 from serve_app.protocol.streams import StreamRunner
 from serve_app.wire.pixels import client_pixels
 from serve_app.wire.request_images import split_images
@@ -185,7 +186,8 @@ class ClassifierService:
         except RaystreamError as exc:
             refused = job if job is not None else Job(id=request_id)
             return core.refuse(refused, exc, reply, stream)
-        return core.submit(job, reply, stream, budget_s(request.timeout_ms, context))
+        budget = budget_s(request.timeout_ms, context)
+        return core.submit(job, reply, stream, budget, tracing.client_parent(context))
 
     async def Classify(self, request_iterator, context):
         """Bidi stream: requests run concurrently, answered in completion order."""
