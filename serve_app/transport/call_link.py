@@ -61,7 +61,8 @@ CONNECT_TIMEOUT_S = 2.0
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 1, 1, 1
 USER_TIMEOUT_S = 2
 
-Handler = Callable[[bytes, int], Awaitable[bytes]]
+Parts = Sequence[bytes | memoryview]  # a message's bytes, in pieces sent one after another
+Handler = Callable[[bytes, int], Awaitable[bytes | Parts]]
 
 
 class LinkDown(ConnectionError):
@@ -201,7 +202,8 @@ async def _answer(running: Awaitable[bytes], call_id: int, writer: asyncio.Strea
     # No drain: the frame is in memory already, and the calls in flight bound the frames.
     # Python 3.12's writelines does not check for a lost connection itself (gh-136234).
     if not writer.transport.is_closing():  # else the caller went: nobody to answer
-        writer.writelines((ANSWER.pack(call_id, len(answer)), answer))
+        parts = (answer,) if isinstance(answer, bytes) else answer
+        writer.writelines((ANSWER.pack(call_id, sum(map(len, parts))), *parts))
 
 
 class Link:
@@ -217,7 +219,7 @@ class Link:
         self._connecting = asyncio.Lock()
         self._closed = False
 
-    async def call(self, request: bytes, images: int = 0) -> bytes:
+    async def call(self, request: bytes | Parts, images: int = 0) -> bytes:
         if self._closed:
             raise LinkDown(f"the link to {self.address} is closed")
         writer = self._writer or await self._connect()
@@ -228,7 +230,8 @@ class Link:
             if writer.transport.is_closing():  # lost, and its reader has not seen it yet
                 raise LinkDown(f"the link to {self.address} broke")
             # No drain, as for answers; 3.12's writelines needs the check above (gh-136234).
-            writer.writelines((CALL.pack(call_id, images, len(request)), request))
+            parts = (request,) if isinstance(request, bytes) else request
+            writer.writelines((CALL.pack(call_id, images, sum(map(len, parts))), *parts))
             return await answer
         finally:
             self._answers.pop(call_id, None)

@@ -5,7 +5,8 @@ Only what a stage call carries can be read back, and only as data:
 
 - the message dataclasses of serve_app/core/messages.py and SharedImages, by a name from
   `_MESSAGES` and their fields in order (no other class is ever built);
-- numpy arrays of the dtypes in `_DTYPES`, as dtype, shape and raw bytes;
+- numpy arrays of the dtypes in `_DTYPES`, as dtype, shape and where their raw bytes lie
+  after the header (the message is the header's length, the header, then the arrays);
 - a stage's exception as its gRPC code, its one-line message and whether a replica was lost,
   rebuilt as the same class where it is one of raystream's own (`_EXCEPTIONS`), else as
   `errors.StageError`;
@@ -20,6 +21,7 @@ wrong data, at worst, and never make a replica run code.
 from __future__ import annotations
 
 import dataclasses
+import struct
 from typing import Any
 
 import msgpack
@@ -54,18 +56,45 @@ _EXCEPTIONS: dict[str, type[Exception]] = {
 }
 
 
+_HEADER = struct.Struct("<I")  # the msgpack header's length; the arrays' bytes follow it
+
+
 class CodecError(ValueError):
     """Bytes that are not a stage call or answer of this codec."""
 
 
-def dumps(obj: Any) -> bytes:
-    return msgpack.packb(obj, default=_encode, use_bin_type=True)
+def dumps(obj: Any) -> list[bytes | memoryview]:
+    """`obj` as the parts of one message, to be sent one after another: the length of the
+    msgpack header, the header, then each array's raw bytes (never copied here: a batch's
+    crops go from the array to the socket)."""
+    arrays: list[memoryview] = []
+
+    def encode(value: Any) -> Any:
+        if isinstance(value, np.ndarray):
+            if value.dtype.name not in _DTYPES:
+                raise TypeError(f"arrays of {value.dtype} do not travel over a stage port")
+            raw = np.ascontiguousarray(value).reshape(-1).view(np.uint8).data
+            offset = sum(len(a) for a in arrays)
+            arrays.append(raw)
+            return {_ARRAY: value.dtype.name, "shape": value.shape, "at": (offset, len(raw))}
+        return _encode(value)
+
+    header = msgpack.packb(obj, default=encode, use_bin_type=True)
+    return [_HEADER.pack(len(header)), header, *arrays]
 
 
-def loads(data: bytes | memoryview) -> Any:
+def loads(message: bytes | memoryview) -> Any:
+    """The object of one message of `dumps`'s parts; arrays are views of `message`."""
+    view = memoryview(message)
     try:
+        (size,) = _HEADER.unpack_from(view)
+        header, raw = view[_HEADER.size : _HEADER.size + size], view[_HEADER.size + size :]
         return msgpack.unpackb(
-            data, object_hook=_decode, raw=False, use_list=False, strict_map_key=False
+            header,
+            object_hook=lambda tagged: _decode(tagged, raw),
+            raw=False,
+            use_list=False,
+            strict_map_key=False,
         )
     except (CodecError, device_crops.CropsNotHere):
         raise
@@ -74,15 +103,6 @@ def loads(data: bytes | memoryview) -> Any:
 
 
 def _encode(obj: Any) -> Any:
-    if isinstance(obj, np.ndarray):
-        if obj.dtype.name not in _DTYPES:
-            raise TypeError(f"arrays of {obj.dtype} do not travel over a stage port")
-        array = np.ascontiguousarray(obj)
-        return {
-            _ARRAY: array.dtype.name,
-            "shape": array.shape,
-            "data": array.reshape(-1).view(np.uint8).data,
-        }
     if isinstance(obj, np.generic):
         return obj.item()
     name = type(obj).__name__
@@ -104,12 +124,15 @@ def _error_fields(exc: BaseException) -> tuple[str, int, str, bool]:
     return kind, int(errors.code_for(exc)), message, errors.replica_lost(exc)
 
 
-def _decode(tagged: dict) -> Any:
+def _decode(tagged: dict, raw: memoryview) -> Any:
     if _ARRAY in tagged:
-        dtype, shape = tagged[_ARRAY], tagged["shape"]
+        dtype, shape, (offset, size) = tagged[_ARRAY], tagged["shape"], tagged["at"]
         if dtype not in _DTYPES or not all(type(n) is int and n >= 0 for n in shape):
             raise CodecError(f"an array of {str(dtype)[:20]!r}, shape {str(shape)[:40]}")
-        return np.frombuffer(tagged["data"], dtype).reshape(shape)
+        if not (offset >= 0 and offset + size <= len(raw)):
+            raise CodecError(f"an array's bytes past the message: {offset}+{size}")
+        array = np.frombuffer(raw[offset : offset + size], dtype)
+        return array.reshape(shape)  # a size that is not the shape's: ValueError
     if _MESSAGE in tagged:
         name, values = tagged[_MESSAGE], tagged["values"]
         cls = _MESSAGES.get(name) if isinstance(name, str) else None

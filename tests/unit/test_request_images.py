@@ -108,7 +108,8 @@ def test_spans_read_as_a_tuple_of_bytes() -> None:
 
 
 @pytest.mark.parametrize(
-    ("dumps", "loads"), [(pickle.dumps, pickle.loads), (codec.dumps, codec.loads)]
+    ("dumps", "loads"),
+    [(pickle.dumps, pickle.loads), (lambda obj: b"".join(codec.dumps(obj)), codec.loads)],
 )
 def test_a_job_with_spans_travels_as_a_tuple_of_its_images(dumps, loads) -> None:
     # Pickled by Ray's serializer for a Serve handle call, or packed by the stage ports'
