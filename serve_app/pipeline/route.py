@@ -29,8 +29,7 @@ def route(config: AppConfig) -> tuple[Hop, ...]:
     if not names:  # direct: the ingress runs every stage itself
         return ()
     if config.stage_calls == "port":
-        link = "stage port (mutual HMAC, no pickle, " + ("TLS)" if tls_contexts() else "no TLS)")
-        transport = f"{link}, Serve handle where no port answers"
+        transport = f"stage port{' (TLS)' if tls_contexts() else ''}, else Serve handle"
         callers = ["Ingress", *names[:-1]]
         return tuple(Hop(a, b, transport) for a, b in zip(callers, names, strict=True))
     inference = next(i for i, group in enumerate(groups(config)) if "inference" in group)

@@ -343,10 +343,8 @@ def test_autoscaled_stage_deployments_count_their_port_calls(tmp_path: Path) -> 
         (
             {"topology": [["preprocess", "inference"], ["postprocess"]], "stage_calls": "port"},
             [
-                "Ingress -> Inference: stage port (mutual HMAC, no pickle, no TLS), Serve handle "
-                "where no port answers",
-                "Inference -> Postprocess: stage port (mutual HMAC, no pickle, no TLS), Serve "
-                "handle where no port answers",
+                "Ingress -> Inference: stage port, else Serve handle",
+                "Inference -> Postprocess: stage port, else Serve handle",
             ],
         ),
     ],
