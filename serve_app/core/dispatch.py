@@ -68,12 +68,14 @@ class Dispatcher(Generic[P]):
         images: Callable[[P], int] = lambda item: 1,
         flow: Callable[[P], str] = lambda item: "",
         max_images: int = 0,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """`call(items)` sends one call and answers each item (it must not raise);
         `images(item)`: how many images an item carries (for `spread_images`); `flow(item)`:
         the stream it came on (a backlog's calls take the flows in turn); `max_images`: the
-        images a call carries past its first item (0: no bound)."""
-        self._call = call
+        images a call carries past its first item (0: no bound); `clock`: when items arrive
+        and how long they waited (tests set it)."""
+        self._call, self._clock = call, clock
         self._max_per_call, self._max_calls = max_per_call, max_calls
         self._spread_images, self._images, self._flow = spread_images, images, flow
         self._max_images = max_images
@@ -86,14 +88,14 @@ class Dispatcher(Generic[P]):
         self._gather_timer: asyncio.TimerHandle | None = None
         self._spill_timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._window_start, self._window_arrivals, self._rate = time.perf_counter(), 0, 0.0
+        self._window_start, self._window_arrivals, self._rate = clock(), 0, 0.0
 
     @property
     def calls_in_flight(self) -> int:
         return self._running + self._spilled
 
     def submit(self, item: P) -> None:
-        now = time.perf_counter()
+        now = self._clock()
         self._count_arrival(now)
         self._queue.append((item, now))
         if self._running < self._max_calls:
@@ -237,7 +239,7 @@ class Dispatcher(Generic[P]):
         self._spill_timer = None
         if not self._queue:
             return
-        waited = time.perf_counter() - self._queue[0][1]
+        waited = self._clock() - self._queue[0][1]
         if waited >= self._spill_after_s and self._spilled < self._max_calls:
             self._start(self._take(), spill=True)
             waited = 0.0

@@ -160,25 +160,45 @@ async def test_answered_items_are_not_sent() -> None:
     assert calls.sent == [["a"], ["b"]]
 
 
-async def _burst_after_a_call(dispatcher, monkeypatch) -> None:
-    """One call in flight, then a window long enough to measure the arrivals' rate (one
-    arrival in 60 ms: about 17 a second)."""
+class Clock:
+    """The dispatcher's clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def _burst_after_a_call(dispatcher, monkeypatch, spacing_s: float = 0.06) -> None:
+    """One call in flight, then `spacing_s` on the dispatcher's clock: a window long enough
+    to measure the arrivals' rate (one arrival in 60 ms: about 17 a second)."""
     import serve_app.core.dispatch
 
     monkeypatch.setattr(serve_app.core.dispatch, "RATE_WINDOW_S", 0.05)
     dispatcher.submit(Item("a"))
-    await asyncio.sleep(0.06)
+    dispatcher._clock.now += spacing_s
+    await _turns()
+
+
+async def _turns(n: int = 3) -> None:
+    """A few turns of the loop: a call started now has run to its gate, none that waits
+    on a timer has."""
+    for _ in range(n):
+        await asyncio.sleep(0)
 
 
 async def test_a_free_slot_gathers_while_calls_run_and_requests_come_fast(monkeypatch) -> None:
     from serve_app.core.dispatch import Dispatcher
 
     calls = Calls()
-    dispatcher = Dispatcher(calls, max_per_call=8, max_calls=2, gather_s=0.2, spill_after_s=60)
+    dispatcher = Dispatcher(
+        calls, max_per_call=8, max_calls=2, gather_s=0.2, spill_after_s=60, clock=Clock()
+    )
     await _burst_after_a_call(dispatcher, monkeypatch)
     dispatcher.submit(Item("b"))  # a slot is free, but 17/s x 0.2 s: more are expected
     dispatcher.submit(Item("c"))
-    await asyncio.sleep(0.02)
+    await _turns()
     assert calls.sent == [["a"]]
     await until(lambda: len(calls.sent) == 2)
     assert calls.sent == [["a"], ["b", "c"]]
@@ -190,10 +210,12 @@ async def test_a_lone_request_goes_at_once_when_requests_come_slowly(monkeypatch
     from serve_app.core.dispatch import Dispatcher
 
     calls = Calls()
-    dispatcher = Dispatcher(calls, max_per_call=8, max_calls=2, gather_s=0.01, spill_after_s=60)
-    await _burst_after_a_call(dispatcher, monkeypatch)
-    dispatcher.submit(Item("b"))  # 17/s x 0.01 s: nothing more expected meanwhile
-    await until(lambda: len(calls.sent) == 2)
+    dispatcher = Dispatcher(
+        calls, max_per_call=8, max_calls=2, gather_s=10, spill_after_s=60, clock=Clock()
+    )
+    await _burst_after_a_call(dispatcher, monkeypatch, spacing_s=20)
+    dispatcher.submit(Item("b"))  # 0.05/s x 10 s: nothing more expected meanwhile
+    await _turns()  # at once: a wait of gather_s would leave it unsent for 10 s
     assert calls.sent == [["a"], ["b"]]
     for gate in calls.gates:
         gate.set()
@@ -203,11 +225,13 @@ async def test_a_full_call_goes_at_once_while_gathering(monkeypatch) -> None:
     from serve_app.core.dispatch import Dispatcher
 
     calls = Calls()
-    dispatcher = Dispatcher(calls, max_per_call=2, max_calls=2, gather_s=10, spill_after_s=60)
+    dispatcher = Dispatcher(
+        calls, max_per_call=2, max_calls=2, gather_s=10, spill_after_s=60, clock=Clock()
+    )
     await _burst_after_a_call(dispatcher, monkeypatch)
     dispatcher.submit(Item("b"))
     dispatcher.submit(Item("c"))  # max_per_call reached: no reason to wait
-    await until(lambda: len(calls.sent) == 2)
+    await _turns()
     assert calls.sent == [["a"], ["b", "c"]]
     for gate in calls.gates:
         gate.set()
@@ -225,6 +249,7 @@ def _spreading(calls: Calls, spread_images: int, max_calls: int = 4, max_images:
         spread_images=spread_images,
         images=lambda item: item.images,
         max_images=max_images,
+        clock=Clock(),
     )
 
 
