@@ -12,14 +12,35 @@ from serve_app.core.messages import Batch, Job
 from serve_app.pipeline.topology import BY_VALUE_MAX_BYTES, StageChain, StageHandle
 
 
-class FakeHandle:
-    """Stands for a DeploymentHandle: `options(_by_reference=False)` gives its by-value twin."""
+class FakeResponse:
+    """Stands for a DeploymentResponse: which handle made it, with what argument."""
 
-    def __init__(self, by_reference: bool = True) -> None:
-        self.by_reference = by_reference
+    def __init__(self, handle: FakeHandle, argument) -> None:
+        self.handle, self.argument = handle, argument
+
+    def __await__(self):  # the result, which a chain must not fetch between its calls
+        yield from ()
+        return ("result", self)
+
+
+class FakeHandle:
+    """Stands for a DeploymentHandle: `options(_by_reference=False)` gives its by-value twin;
+    `run.remote(argument)` records the call and answers a FakeResponse."""
+
+    def __init__(self, name: str = "", by_reference: bool = True) -> None:
+        self.name, self.by_reference = name, by_reference
+        self.deployment_name = name
+        self.calls: list = []
+        self.run = self  # handle.run.remote(...)
 
     def options(self, _by_reference: bool) -> FakeHandle:
-        return FakeHandle(by_reference=_by_reference)
+        twin = FakeHandle(self.name, by_reference=_by_reference)
+        twin.calls = self.calls  # one record of the calls, whichever twin made them
+        return twin
+
+    def remote(self, argument) -> FakeResponse:
+        self.calls.append((self.by_reference, argument))
+        return FakeResponse(self, argument)
 
 
 def _batch(image_bytes: int) -> Batch:
@@ -57,9 +78,20 @@ def test_a_batch_weighs_its_inputs_and_results() -> None:
     assert batch.nbytes() == 100 + 50 + pixels.nbytes + 10 + 48
 
 
-def test_a_chain_of_several_calls_stays_on_the_object_store(monkeypatch) -> None:
-    """Each call takes the previous one's response as its argument, which only a call by
-    reference can pass on without bringing it back through the ingress."""
+async def test_a_chain_of_several_calls_stays_on_the_object_store(monkeypatch) -> None:
+    """Each call takes the previous one's response as its argument (the batch never comes
+    back through the ingress between them), which only a call by reference can pass on;
+    a chain of one call goes by value where the limit allows."""
     monkeypatch.setenv(MESSAGE_LIMIT_ENV, str(1 << 30))
-    assert "object store" in StageChain([FakeHandle(), FakeHandle()]).transport
-    assert "by value" in StageChain([FakeHandle()]).transport
+    preprocess, inference = FakeHandle("Preprocess"), FakeHandle("Inference")
+    batch = _batch(10)
+    answer = await StageChain([preprocess, inference]).run(batch)
+    (first,), (second,) = preprocess.calls, inference.calls
+    assert first == (True, batch)
+    assert second[0] is True and isinstance(second[1], FakeResponse)
+    assert second[1].handle.name == "Preprocess"  # the first call's response, not its result
+    assert answer == ("result", answer[1]) and answer[1].handle.name == "Inference"
+    assert answer[1].argument is second[1]
+    single = FakeHandle("Inference")
+    await StageChain([single]).run(batch)
+    assert single.calls == [(False, batch)]  # by value
