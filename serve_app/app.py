@@ -150,6 +150,11 @@ class Stages:
         """Calls answered over this replica's stage port (tests: the port carried them)."""
         return 0 if self._port is None else self._port.calls
 
+    def handle_calls(self) -> int:
+        """Calls this replica made to the next deployment by Serve handle, not over a port
+        (tests: Serve's own count of the next deployment's requests saw only these)."""
+        return self._next.by_handle if isinstance(self._next, PortCalls) else 0
+
     def replica_id(self) -> str:
         """This replica's Serve id (operators and tests: which replica answered)."""
         return serve.get_replica_context().replica_id.unique_id

@@ -85,6 +85,8 @@ async def test_calls_over_the_ports_scale_the_deployment(port_server, photos) ->
             await asyncio.sleep(0.25)
     before = await inference.port_calls.remote()
     assert before > 0
+    preprocess = serve.get_deployment_handle("Preprocess", app_name=APP)
+    by_handle = await preprocess.handle_calls.remote()  # the calls before the ports were known
     status = _status("Inference")  # one replica, and none on the way
     assert status.status == "HEALTHY" and status.replica_states == {"RUNNING": 1}, status
 
@@ -110,6 +112,9 @@ async def test_calls_over_the_ports_scale_the_deployment(port_server, photos) ->
                 if task.done():
                     task.result()  # a failed load fails the test with its own error
             await asyncio.sleep(0.5)
+        # Serve counts only handle calls as Inference's requests: none came meanwhile, so
+        # the scale-up was the policy's, on the calls over the port.
+        assert await preprocess.handle_calls.remote() == by_handle
     finally:
         stop.set()
         await asyncio.gather(*loads)
