@@ -502,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
         "probe presents (without one, readiness is not probed)",
     )
     p.add_argument("--probe-tls-key", help="the private key (PEM) of --probe-tls-cert")
-    p.set_defaults(func=serve_command.cmd_serve)
+    p.set_defaults(func=serve_command.cmd_serve, grpc_verbosity=INHERITED_GRPC_VERBOSITY)
 
     p = sub.add_parser(
         "reconfigure",

@@ -150,7 +150,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(config, f)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its log lines as they happen
-    _restore_grpc_verbosity(env)
+    _restore_grpc_verbosity(env, getattr(args, "grpc_verbosity", None))
     if not os.environ.get("RAY_ADDRESS"):  # a local Ray that `serve run` starts: loopback only
         env.update(local_ray.loopback_env())
         # and Ray's token authentication (Ray's own default for a local instance, asked for
@@ -272,13 +272,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             metrics.close()
 
 
-def _restore_grpc_verbosity(env: dict[str, str]) -> None:
-    """The server logs what grpc logs by default: undo the CLI's quieter setting."""
-    from clients import cli
-
+def _restore_grpc_verbosity(env: dict[str, str], inherited: str | None) -> None:
+    """The server logs what grpc logs by default: undo the CLI's quieter setting
+    (`inherited`: GRPC_VERBOSITY as the CLI found it, which the CLI passes in `args`)."""
     env.pop("GRPC_VERBOSITY", None)
-    if cli.INHERITED_GRPC_VERBOSITY is not None:
-        env["GRPC_VERBOSITY"] = cli.INHERITED_GRPC_VERBOSITY
+    if inherited is not None:
+        env["GRPC_VERBOSITY"] = inherited
 
 
 def _metrics_forwarder(args: argparse.Namespace) -> local_ray.MetricsForwarder | None:

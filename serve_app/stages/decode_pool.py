@@ -27,8 +27,15 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from engines.images import InvalidImage
+from engines.images import DecodeLimits, InvalidImage
+from serve_app.config import AppConfig
 from serve_app.errors import DeadlineExceeded
+
+
+def decode_limits(config: AppConfig) -> DecodeLimits:
+    """The config's limits on one image, as the decoders take them (CPU and nvJPEG)."""
+    return DecodeLimits(config.limits.max_image_bytes, config.limits.max_image_pixels)
+
 
 logger = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from engines.repository import PreprocessSpec
 from serve_app.config import AppConfig
 from serve_app.stages.batching import DynamicBatcher
+from serve_app.stages.decode_pool import decode_limits
 from serve_app.stages.stall_watch import StallWatch
 
 # JPEGs per nvJPEG call. One decode thread takes everything queued (calls from every ingress
@@ -29,7 +30,6 @@ class NvjpegQueue:
 
     def __init__(self, config: AppConfig, spec: PreprocessSpec) -> None:
         from engines.gpu_decode import GpuJpegDecoder  # GPU machines only
-        from serve_app.stages.preprocess import decode_limits
 
         hybrid = None
         if config.gpu_hybrid_decode:

@@ -24,16 +24,12 @@ from engines.repository import ModelRef, PreprocessSpec, resolve
 from serve_app.config import AppConfig
 from serve_app.core.messages import NO_OWNERS, Batch, Failure, StageTiming, fail_jobs
 from serve_app.errors import Code, code_for, message_for
-from serve_app.stages.decode_pool import DecodePool
+from serve_app.stages.decode_pool import DecodePool, decode_limits
 from serve_app.stages.nvjpeg_queue import DECODE_BATCH, NvjpegQueue
 
 
 def load_model(config: AppConfig) -> ModelRef:
     return resolve(config.model_repository, config.model, config.model_version)
-
-
-def decode_limits(config: AppConfig) -> preprocessing.DecodeLimits:
-    return preprocessing.DecodeLimits(config.limits.max_image_bytes, config.limits.max_image_pixels)
 
 
 def _owners(pairs: list[tuple[int, int]]) -> np.ndarray:
