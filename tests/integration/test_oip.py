@@ -142,7 +142,8 @@ async def test_embedding_output(server, photos, torch_embedding) -> None:
         stub = oip_grpc.GRPCInferenceServiceStub(channel)
         meta = await stub.ModelMetadata(oip.ModelMetadataRequest(name="efficientnet-lite0"))
         assert [(o.name, o.datatype, list(o.shape)) for o in meta.outputs][2:] == [
-            ("embedding", "FP32", [-1, 1280])
+            ("embedding", "FP32", [-1, 1280]),
+            ("embedding_fp16", "FP16", [-1, 1280]),
         ]
         reply = await stub.ModelInfer(_request(images, outputs=[("labels", 1), ("embedding", 0)]))
         assert [(o.name, o.datatype, list(o.shape)) for o in reply.outputs] == [
