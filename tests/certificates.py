@@ -53,3 +53,22 @@ def write_pem(path: Path, key, cert) -> tuple[Path, Path]:
     )
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return key_path, cert_path
+
+
+def make_pki(root: Path) -> dict[str, Path]:
+    """The tests' certificates as PEM files under `root`: a CA (`ca`, `ca_key`); a server for
+    localhost (`server_*`) and a client (`client_*`) it issued; and self-signed ones: for
+    localhost (`self_*`), for raystream.example only (`named_*`), and expired (`expired_*`)."""
+    ca_key, ca_cert = issue_certificate("raystream test CA", ca=True, san=())
+    files: dict[str, Path] = {}
+    files["ca_key"], files["ca"] = write_pem(root / "ca", ca_key, ca_cert)
+    made = {
+        "server": issue_certificate("localhost", ca_key, ca_cert.subject, ca=False),
+        "client": issue_certificate("client", ca_key, ca_cert.subject, ca=False, san=("client",)),
+        "self": issue_certificate("localhost", ca=True),
+        "named": issue_certificate("raystream.example", ca=True, san=("raystream.example",)),
+        "expired": issue_certificate("localhost", ca=True, days=-1),
+    }
+    for name, (key, cert) in made.items():
+        files[f"{name}_key"], files[f"{name}_cert"] = write_pem(root / name, key, cert)
+    return files

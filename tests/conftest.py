@@ -33,6 +33,14 @@ def encode(array: np.ndarray, fmt: str = "JPEG", **params: object) -> bytes:
 
 
 @pytest.fixture(scope="session")
+def pki(tmp_path_factory) -> dict[str, Path]:
+    """The tests' certificates (tests/certificates.py make_pki)."""
+    from certificates import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="session")
 def photos() -> dict[str, bytes]:
     """Real photos from scikit-image, as JPEG bytes (the format clients send most)."""
     from skimage import data

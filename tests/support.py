@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from raystream.v1 import classifier_pb2 as pb
 from serve_app.core.messages import Batch, Job
@@ -31,3 +34,19 @@ async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
     async with asyncio.timeout(timeout_s):
         while not condition():
             await asyncio.sleep(0.001)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, prelude: str = "", timeout: float = 300) -> subprocess.CompletedProcess:
+    """`raystream ARGS` in a process of its own, from the repository; `prelude`: Python run
+    first in that process."""
+    code = f"{prelude}\nimport sys\nfrom clients.cli import main\nsys.exit(main(sys.argv[1:]))"
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=timeout,
+    )

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
+from support import run_cli
 
 from clients.client import Client
 from clients.shard_store import FAILURES, STATE, shard_paths
@@ -29,12 +30,6 @@ from test_embeddings import TEST_SET, altered
 
 pytestmark = [pytest.mark.slow, pytest.mark.parametrize("server", ["fused"], indirect=True)]
 CLI = "import sys\nfrom clients.cli import main\nsys.exit(main(sys.argv[1:]))"
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", CLI, *args], capture_output=True, text=True, cwd=ROOT, timeout=600
-    )
 
 
 def _tiny_images(folder: Path, n: int) -> list[Path]:
@@ -109,10 +104,10 @@ def test_embed_killed_and_run_again_writes_every_key_once(server, tmp_path) -> N
         >= 0.9999
     )
 
-    done = _cli(*command[3:])  # complete: nothing more to do
+    done = run_cli(*command[3:])  # complete: nothing more to do
     assert "0 embedded by this run" in done.stdout, done.stdout
     manifest.write_text(manifest.read_text() + "photos/0000.jpg-copy\n")
-    changed = _cli(*command[3:])
+    changed = run_cli(*command[3:])
     assert changed.returncode == 2 and "Traceback" not in changed.stderr, changed.stderr
     assert "was made from another list of images" in changed.stderr, changed.stderr
 
@@ -129,15 +124,15 @@ def catalogue(tmp_path_factory) -> Path:
 
 def test_index_build_and_similar_find_an_altered_copy(server, catalogue, tmp_path) -> None:
     out, index = tmp_path / "vectors", tmp_path / "catalog.index"
-    done = _cli("embed", str(catalogue), "--out", str(out), "--server", server)
+    done = run_cli("embed", str(catalogue), "--out", str(out), "--server", server)
     assert done.returncode == 0, done.stderr
-    built = _cli("index", "build", str(out), "--out", str(index))
+    built = run_cli("index", "build", str(out), "--out", str(index))
     assert built.returncode == 0, built.stderr
     assert f"indexed {len(TEST_SET)} vectors of 1280 floats (Flat" in built.stdout, built.stdout
 
     query = tmp_path / "query.jpg"
     query.write_bytes(altered((catalogue / "coffee.jpg").read_bytes()))
-    found = _cli("similar", str(query), "--index", str(index), "-k", "3", "--server", server)
+    found = run_cli("similar", str(query), "--index", str(index), "-k", "3", "--server", server)
     assert found.returncode == 0, found.stderr
     header, *lines = found.stdout.strip().splitlines()
     assert header.split() == ["rank", "cosine", "key"] and len(lines) == 3
@@ -169,6 +164,8 @@ def test_an_index_of_another_embedding_space_is_refused(server, photos, tmp_path
     build_index(shard_paths(tmp_path / "old"), tmp_path / "old.index")
     query = tmp_path / "q.jpg"
     query.write_bytes(photos["chelsea"])
-    done = _cli("similar", str(query), "--index", str(tmp_path / "old.index"), "--server", server)
+    done = run_cli(
+        "similar", str(query), "--index", str(tmp_path / "old.index"), "--server", server
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "embedding space m/1/sha256:0" in done.stderr and "do not compare" in done.stderr

@@ -15,20 +15,9 @@ from pathlib import Path
 import grpc
 import pytest
 from certificates import issue_certificate, write_pem
+from support import run_cli
 
 from conftest import ROOT
-
-
-def _cli(*args: str, prelude: str = "", timeout: float = 60) -> subprocess.CompletedProcess:
-    """`raystream ARGS`; `prelude`: Python run first in that process."""
-    code = f"{prelude}\nimport sys\nfrom clients.cli import main\nsys.exit(main(sys.argv[1:]))"
-    return subprocess.run(
-        [sys.executable, "-c", code, *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=timeout,
-    )
 
 
 def _one_line(result: subprocess.CompletedProcess) -> str:
@@ -101,7 +90,7 @@ BAD_NUMBERS = [
 
 @pytest.mark.parametrize(("args", "flag"), BAD_NUMBERS, ids=lambda a: " ".join(a))
 def test_numbers_out_of_range_are_one_line_and_exit_2(args, flag, photo) -> None:
-    result = _cli(*(a.format(photo=photo) for a in args))
+    result = run_cli(*(a.format(photo=photo) for a in args))
     line = _one_line(result)
     assert flag in line and line.startswith("raystream"), line
     assert not result.stdout  # nothing sent, nothing printed
@@ -109,7 +98,9 @@ def test_numbers_out_of_range_are_one_line_and_exit_2(args, flag, photo) -> None
 
 def test_classify_rejects_a_zero_batch_size_instead_of_sending_nothing(photo) -> None:
     """--batch-size 0 used to send no request and then fail printing an empty table."""
-    line = _one_line(_cli("classify", str(photo), "--batch-size", "0", "--server", "127.0.0.1:1"))
+    line = _one_line(
+        run_cli("classify", str(photo), "--batch-size", "0", "--server", "127.0.0.1:1")
+    )
     assert line == (
         "raystream classify: argument --batch-size: must be at least 1, got 0 "
         "(see raystream classify --help)"
@@ -148,7 +139,7 @@ def test_reconfigure_refuses_a_batch_past_the_engines_before_touching_ray(listen
     would refuse it and Serve would replace them all (minutes of UNAVAILABLE). Refused in
     the CLI, before Ray is imported or the cluster address is dialed."""
     address, connected = listener
-    result = _cli(
+    result = run_cli(
         "reconfigure",
         "--model-repository",
         "models",
@@ -176,7 +167,7 @@ def test_reconfigure_refuses_a_batch_past_the_engines_before_touching_ray(listen
 )
 def test_reconfigure_names_the_field_and_its_range(change, expected, listener) -> None:
     address, connected = listener
-    result = _cli("reconfigure", change, "--address", address, prelude=NO_RAY)
+    result = run_cli("reconfigure", change, "--address", address, prelude=NO_RAY)
     assert expected in _one_line(result)
     assert not connected
 
@@ -185,7 +176,9 @@ def test_reconfigure_direct_checks_the_ingress_batching(listener) -> None:
     """Topology direct batches in the Ingress: the same limit. (Its config imports Ray, so
     here the check is that the cluster address is never dialed.)"""
     address, connected = listener
-    result = _cli("reconfigure", "--topology", "direct", "max_batch_size=65", "--address", address)
+    result = run_cli(
+        "reconfigure", "--topology", "direct", "max_batch_size=65", "--address", address
+    )
     assert "max_batch_size must be in 1..64" in _one_line(result)
     assert not connected
 
@@ -194,7 +187,7 @@ def test_reconfigure_of_a_cluster_that_is_not_there_is_one_line() -> None:
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         closed = f"127.0.0.1:{s.getsockname()[1]}"
-    result = _cli("reconfigure", "max_batch_size=16", "--address", closed, timeout=60)
+    result = run_cli("reconfigure", "max_batch_size=16", "--address", closed, timeout=60)
     line = _one_line(result)
     assert f"cannot reach the Ray cluster at {closed}" in line, line
 
@@ -229,7 +222,7 @@ ray.serve.context._get_global_client = lambda: Client()
     ],
 )
 def test_reconfigure_whose_deploy_fails_or_times_out_is_one_line(deploy, expected) -> None:
-    result = _cli(
+    result = run_cli(
         *("reconfigure", "max_batch_size=16", "--timeout", "2"),
         prelude=f"DEPLOY = {deploy!r}\n{FAKE_RAY}",
     )
@@ -259,26 +252,26 @@ def grpc_servers(tmp_path):
 
 def test_a_plaintext_client_of_a_tls_server_is_told_to_use_tls(grpc_servers, photo) -> None:
     for args in (["info"], ["classify", str(photo)]):
-        line = _one_line(_cli(*args, "--server", grpc_servers["tls"]))
+        line = _one_line(run_cli(*args, "--server", grpc_servers["tls"]))
         assert "expects TLS" in line and "--tls-ca" in line, line
         assert "make serve" not in line, line
 
 
 def test_a_tls_client_of_a_plaintext_server_is_told_it_may_not_use_tls(grpc_servers) -> None:
     args = ("info", "--server", grpc_servers["plain"], "--tls-ca", str(grpc_servers["cert"]))
-    line = _one_line(_cli(*args))
+    line = _one_line(run_cli(*args))
     assert "may not use TLS" in line and "without --tls-ca" in line, line
 
 
 def test_a_server_that_is_down_is_still_reported_as_down() -> None:
-    line = _one_line(_cli("info", "--server", "127.0.0.1:1", "--timeout", "5"))
+    line = _one_line(run_cli("info", "--server", "127.0.0.1:1", "--timeout", "5"))
     assert "is it running? Start it with `make serve`" in line, line
 
 
 def test_a_server_command_without_the_servers_packages_says_what_to_install() -> None:
     """A client-only install (no yaml, no Ray): `raystream serve` is one line naming the
     server extra, not a traceback."""
-    result = _cli("serve", prelude="import sys\nsys.modules['yaml'] = None\n" + NO_RAY)
+    result = run_cli("serve", prelude="import sys\nsys.modules['yaml'] = None\n" + NO_RAY)
     line = _one_line(result)
     assert "needs the server's packages" in line and "raystream[server]" in line, line
 
@@ -304,7 +297,7 @@ def test_a_load_past_its_timeout_says_the_server_goes_on(listener) -> None:
     """`models load --timeout`: a load that outlasts it (here: a server that never
     answers) ends the CLI with one line, not a gRPC error; the server would go on."""
     address, _ = listener
-    result = _cli("models", "load", "m", "--timeout", "0.5", "--server", address, timeout=60)
+    result = run_cli("models", "load", "m", "--timeout", "0.5", "--server", address, timeout=60)
     line = _one_line(result)
     assert "no answer within --timeout 0.5 s; the server goes on with load m" in line, line
 
@@ -327,7 +320,7 @@ def test_a_load_the_server_gives_up_on_says_why() -> None:
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        result = _cli("models", "load", "m", "--server", f"127.0.0.1:{port}")
+        result = run_cli("models", "load", "m", "--server", f"127.0.0.1:{port}")
     finally:
         server.stop(None)
     line = _one_line(result)

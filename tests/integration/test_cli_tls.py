@@ -16,32 +16,12 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from certificates import issue_certificate, write_pem
 from grpc_health.v1 import health, health_pb2_grpc
 
 from clients.serve_command import _Probe
 from serve_app.config import AppConfig
 
 from conftest import ROOT, free_port
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("pki")
-    ca_key, ca_cert = issue_certificate("raystream test CA", ca=True, san=())
-    files = {}
-    files["ca_key"], files["ca"] = write_pem(root / "ca", ca_key, ca_cert)
-    key, cert = issue_certificate("localhost", ca=True)  # self-signed
-    files["self_key"], files["self_cert"] = write_pem(root / "self", key, cert)
-    key, cert = issue_certificate("raystream.example", ca=True, san=("raystream.example",))
-    files["named_key"], files["named_cert"] = write_pem(root / "named", key, cert)
-    key, cert = issue_certificate("localhost", ca_key, ca_cert.subject, ca=False)  # by the CA
-    files["issued_key"], files["issued_cert"] = write_pem(root / "issued", key, cert)
-    key, cert = issue_certificate("localhost", ca=True, days=-1)
-    files["expired_key"], files["expired_cert"] = write_pem(root / "expired", key, cert)
-    key, cert = issue_certificate("client", ca_key, ca_cert.subject, ca=False, san=("client",))
-    files["client_key"], files["client_cert"] = write_pem(root / "client", key, cert)
-    return files
 
 
 def _health_server(cert: Path, key: Path, client_ca: Path | None = None):
@@ -85,8 +65,8 @@ async def test_the_probe_dials_an_address_the_certificate_does_not_name(pki) -> 
 
 
 async def test_the_probe_presents_a_client_certificate_where_required(pki) -> None:
-    server, address = _health_server(pki["issued_cert"], pki["issued_key"], pki["ca"])
-    security = {"tls_cert": pki["issued_cert"], "tls_key": pki["issued_key"]}
+    server, address = _health_server(pki["server_cert"], pki["server_key"], pki["ca"])
+    security = {"tls_cert": pki["server_cert"], "tls_key": pki["server_key"]}
     security["tls_client_ca"] = pki["ca"]
     without = _probe(security)
     assert "requires client certificates" in without.reason
@@ -98,8 +78,8 @@ async def test_the_probe_presents_a_client_certificate_where_required(pki) -> No
 
 
 async def test_the_probe_trusts_a_certificate_issued_by_a_ca_not_in_the_file(pki) -> None:
-    server, address = _health_server(pki["issued_cert"], pki["issued_key"])
-    probe = _probe({"tls_cert": pki["issued_cert"], "tls_key": pki["issued_key"]})
+    server, address = _health_server(pki["server_cert"], pki["server_key"])
+    probe = _probe({"tls_cert": pki["server_cert"], "tls_key": pki["server_key"]})
     assert await _serving(probe, address)
     server.stop(0)
 
@@ -175,8 +155,8 @@ def test_raystream_serve_says_plainly_when_it_cannot_probe(model_repository, pki
     word that every replica runs."""
     config = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
     config["applications"][0]["args"]["security"] = {
-        "tls_cert": str(pki["issued_cert"]),
-        "tls_key": str(pki["issued_key"]),
+        "tls_cert": str(pki["server_cert"]),
+        "tls_key": str(pki["server_key"]),
         "tls_client_ca": str(pki["ca"]),
     }
     config_path = tmp_path / "serve_config.mtls.yaml"

@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import io
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+from support import run_cli
 
 from clients.client import Client
 from raystream.v1 import classifier_pb2 as pb
 
-from conftest import ROOT, cosines, encode, start_app
+from conftest import cosines, encode, start_app
 
 pytestmark = pytest.mark.slow
 INVALID_ARGUMENT = 3
@@ -151,13 +150,6 @@ async def test_an_unknown_output_is_a_bad_request(server, photos) -> None:
 # -- the CLI, as a user runs it ---------------------------------------------------------------
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    code = "import sys\nfrom clients.cli import main\nsys.exit(main(sys.argv[1:]))"
-    return subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT, timeout=300
-    )
-
-
 @pytest.fixture(scope="module")
 def catalogue(tmp_path_factory, test_set) -> Path:
     """A folder of the test photos and a file that is not an image, as a user's catalogue."""
@@ -176,7 +168,7 @@ def test_embed_writes_a_row_per_image_and_similar_finds_the_original(
     from clients.embed_command import read_vectors
 
     out = tmp_path / f"vectors.{fmt}"
-    done = _cli("embed", str(catalogue), "--out", str(out), "--server", server)
+    done = run_cli("embed", str(catalogue), "--out", str(out), "--server", server)
     assert done.returncode == 1, done.stderr  # one image failed
     assert "broken.jpg  ERROR INVALID_ARGUMENT: " in done.stdout, done.stdout
     assert f"wrote {len(TEST_SET)} vectors of 1280 floats" in done.stdout, done.stdout
@@ -191,7 +183,7 @@ def test_embed_writes_a_row_per_image_and_similar_finds_the_original(
 
     query = tmp_path / "query.jpg"
     query.write_bytes(altered((catalogue / "coffee.jpg").read_bytes()))
-    found = _cli("similar", str(query), "--index", str(out), "-k", "3", "--server", server)
+    found = run_cli("similar", str(query), "--index", str(out), "-k", "3", "--server", server)
     assert found.returncode == 0, found.stderr
     header, *lines = found.stdout.strip().splitlines()
     assert header.split() == ["rank", "cosine", "key"] and len(lines) == 3
@@ -211,7 +203,7 @@ def test_similar_refuses_an_index_of_another_embedding_space(server, tmp_path, p
     write_vectors(Vectors(["a.jpg"], vector, ["m"], ["1"], ["m/1/sha256:0"]), index, "npy")
     query = tmp_path / "q.jpg"
     query.write_bytes(photos["chelsea"])
-    done = _cli("similar", str(query), "--index", str(index), "--server", server)
+    done = run_cli("similar", str(query), "--index", str(index), "--server", server)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "embedding space m/1/sha256:0" in done.stderr and "do not compare" in done.stderr
 
@@ -243,17 +235,17 @@ def test_embed_and_similar_keep_to_one_model_version(
             (photos / photo).write_bytes((catalogue / photo).read_bytes())
         index = tmp_path / "old.npy"
         pin = ("--model", f"{name}/{old}", "--server", server)
-        done = _cli("embed", str(photos), "--out", str(index), *pin)
+        done = run_cli("embed", str(photos), "--out", str(index), *pin)
         assert done.returncode == 0, done.stderr
         assert set(read_vectors(index).version) == {old}
         query = tmp_path / "query.jpg"
         query.write_bytes(altered((photos / "coffee.jpg").read_bytes()))
-        found = _cli("similar", str(query), "--index", str(index), "--server", server)
+        found = run_cli("similar", str(query), "--index", str(index), "--server", server)
         assert found.returncode == 0, found.stderr
         assert Path(found.stdout.splitlines()[1].split()[2]).name == "coffee.jpg", found.stdout
-        pinned = _cli("classify", str(photos), *pin)
+        pinned = run_cli("classify", str(photos), *pin)
         assert pinned.returncode == 0, pinned.stderr
-        missing = _cli("classify", str(photos), "--model", f"{name}/99", "--server", server)
+        missing = run_cli("classify", str(photos), "--model", f"{name}/99", "--server", server)
         assert missing.returncode == 1 and "NOT_FOUND" in missing.stdout, missing.stdout
     finally:
         serve.delete("versions")

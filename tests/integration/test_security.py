@@ -7,7 +7,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from certificates import issue_certificate, write_pem
 
 from clients.client import Client
 
@@ -18,26 +17,6 @@ TOKEN = "s3cret-token"
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("pki")
-    ca_key, ca_cert = issue_certificate("raystream test CA", ca=True, san=())
-    server_key, server_cert = issue_certificate("localhost", ca_key, ca_cert.subject, ca=False)
-    client_key, client_cert = issue_certificate("client", ca_key, ca_cert.subject, ca=False)
-    _, ca_path = write_pem(root / "ca", ca_key, ca_cert)
-    server_key_path, server_cert_path = write_pem(root / "server", server_key, server_cert)
-    client_key_path, client_cert_path = write_pem(root / "client", client_key, client_cert)
-    (root / "token").write_text(TOKEN + "\n")
-    return {
-        "ca": ca_path,
-        "server_key": server_key_path,
-        "server_cert": server_cert_path,
-        "client_key": client_key_path,
-        "client_cert": client_cert_path,
-        "token": root / "token",
-    }
-
-
-@pytest.fixture(scope="module")
 def secure_server(ray_cluster, model_repository, pki):
     from ray import serve
 
@@ -45,13 +24,19 @@ def secure_server(ray_cluster, model_repository, pki):
         "tls_cert": str(pki["server_cert"]),
         "tls_key": str(pki["server_key"]),
         "tls_client_ca": str(pki["ca"]),
-        "auth_token_file": str(pki["token"]),
+        "auth_token_file": str(_token_file(pki)),
     }
     port, handle = start_app(
         "secure", model_repository, topology="fused", engine={"kind": "echo"}, security=security
     )
     yield f"localhost:{port}", handle
     serve.delete("secure")
+
+
+def _token_file(pki) -> Path:
+    token = pki["ca"].parent / "token"
+    token.write_text(TOKEN + "\n")
+    return token
 
 
 def _tls(pki) -> dict:

@@ -8,8 +8,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import grpc
 import numpy as np
 import onnxruntime as ort
 import pytest
+from support import run_cli
 
 from clients.client import Client
 from engines.base import normalize
@@ -194,35 +193,27 @@ async def test_model_info(server, model) -> None:
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "clients.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
-
-
 async def test_cli_classifies_a_folder(server, photos, tmp_path: Path) -> None:
     (tmp_path / "nested").mkdir()
     (tmp_path / "cat.jpg").write_bytes(photos["chelsea"])
     (tmp_path / "nested" / "coffee.jpg").write_bytes(photos["coffee"])
     (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
     result = await asyncio.to_thread(
-        _cli, "classify", str(tmp_path), "--server", server, "--json", "--top-k", "3"
+        run_cli, "classify", str(tmp_path), "--server", server, "--json", "--top-k", "3"
     )
     rows = {Path(row["file"]).name: row for row in map(json.loads, result.stdout.splitlines())}
     assert result.returncode == 1, result.stderr  # one image failed
     assert rows["cat.jpg"]["labels"][0]["class_id"] in CATS
     assert len(rows["coffee.jpg"]["labels"]) == 3
     assert rows["broken.png"]["error"]["code"] == 3
-    table = await asyncio.to_thread(_cli, "classify", str(tmp_path / "cat.jpg"), "--server", server)
+    table = await asyncio.to_thread(
+        run_cli, "classify", str(tmp_path / "cat.jpg"), "--server", server
+    )
     assert table.returncode == 0 and "cat" in table.stdout
 
 
 def test_cli_reports_a_server_that_is_down() -> None:
-    result = _cli("info", "--server", "127.0.0.1:1", "--timeout", "2")
+    result = run_cli("info", "--server", "127.0.0.1:1", "--timeout", "2")
     assert result.returncode == 2
     assert "cannot reach the server" in result.stderr and "Traceback" not in result.stderr
 
@@ -292,7 +283,7 @@ async def test_bench_cli_brackets_its_load_with_the_in_process_baseline(
 ) -> None:
     """`raystream bench --baseline`: the same model in this process, half before the load
     and half after; the ratio uses their mean and bench.json keeps both."""
-    result = _cli(
+    result = run_cli(
         "bench",
         "--server",
         server,
