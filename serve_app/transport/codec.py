@@ -1,5 +1,6 @@
 """The bytes of a stage call over a port (serve_app/transport/stage_port.py), and of its
-answer: msgpack with a fixed set of extension types, never pickle.
+answer: a msgpack header whose few tagged maps stand for what msgpack has no type for, then
+the arrays' raw bytes; never pickle.
 
 Only what a stage call carries can be read back, and only as data:
 
@@ -14,8 +15,8 @@ Only what a stage call carries can be read back, and only as data:
 - msgpack's own types; every array becomes a tuple.
 
 Anything else fails to encode (a bug: the stage's answer becomes an INTERNAL error) or to
-decode (CodecError: the call fails INTERNAL). So a peer that passed the link's handshake can send
-wrong data, at worst, and never make a replica run code.
+decode (CodecError: the call fails INTERNAL). So a peer that passed the link's handshake can
+send wrong data, at worst, and never make a replica run code.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ _MESSAGES: dict[str, type] = {
 }
 _FIELDS = {name: tuple(f.name for f in dataclasses.fields(cls)) for name, cls in _MESSAGES.items()}
 _DTYPES = frozenset(
-    ("bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float16")
-) | {"float32", "float64"}
+    "bool uint8 int8 uint16 int16 uint32 int32 uint64 int64 float16 float32 float64".split()
+)
 # The exceptions that arrive as themselves (raystream's own, each made from its message);
 # any other arrives as errors.StageError, with its code.
 _EXCEPTIONS: dict[str, type[Exception]] = {
