@@ -43,7 +43,8 @@ _MESSAGES: dict[str, type] = {
 }
 _FIELDS = {name: tuple(f.name for f in dataclasses.fields(cls)) for name, cls in _MESSAGES.items()}
 _DTYPES = frozenset(
-    "bool uint8 int8 uint16 int16 uint32 int32 uint64 int64 float16 float32 float64".split()
+    {"bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64"}
+    | {"float16", "float32", "float64"}
 )
 # The exceptions that arrive as themselves (raystream's own, each made from its message);
 # any other arrives as errors.StageError, with its code.
