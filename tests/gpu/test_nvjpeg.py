@@ -149,25 +149,26 @@ async def test_gpu_replica_keeps_crops_on_the_gpu_and_answers_each_image(
 
 def _crops_checksum(payload: bytes) -> tuple[int, str]:
     """In another process: the crops a stage call carried, summed on this process' GPU."""
-    import pickle
+    from serve_app.transport import codec
 
-    crops = pickle.loads(payload).crops
+    crops = codec.loads(payload).crops
     return int(crops.sum()), str(crops.device)
 
 
 def test_crops_reach_another_process_by_cuda_ipc() -> None:
-    """A stage call's crops on the GPU travel as a CUDA IPC handle (a few hundred bytes,
-    not their pixels) and read the same in another process on that GPU."""
+    """A stage call's crops on the GPU travel as the fields of a CUDA IPC handle (a few
+    hundred bytes, not their pixels; serve_app/transport/codec.py) and read the same in
+    another process on that GPU."""
     import multiprocessing
 
     from serve_app.core.messages import Batch
-    from serve_app.wire import request_images
+    from serve_app.transport import codec
 
     generator = torch.Generator(device="cuda").manual_seed(0)
     crops = torch.randint(
         0, 256, (32, 224, 224, 3), dtype=torch.uint8, device="cuda", generator=generator
     )
-    payload = request_images.dumps(Batch(jobs=(), crops=crops))
+    payload = b"".join(codec.dumps(Batch(jobs=(), crops=crops)))
     assert len(payload) < 4096 < crops.nbytes
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         total, device = pool.apply(_crops_checksum, (payload,))
