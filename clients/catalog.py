@@ -74,7 +74,7 @@ def _as_inputs(inputs: CatalogInputs | str | Path | Sequence[str | Path]) -> Cat
     return CatalogInputs(paths, image_suffixes=IMAGE_SUFFIXES)
 
 
-async def _embedding_model(client, model: str):
+async def embedding_model(client, model: str):
     """What serves `model`, which must have an embedding output."""
     info = await client.model_info(model)
     if not info.embedding_dim:
@@ -118,7 +118,7 @@ async def aembed_catalog(
         model = f"{previous[0].model}/{previous[0].version}"
     async with Client(server, connections=connections, **(client_options or {})) as client:
         try:
-            info = await _embedding_model(client, model)
+            info = await embedding_model(client, model)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND or previous is None:
                 raise
@@ -209,11 +209,11 @@ async def asimilar(
     data = image if isinstance(image, bytes) else Path(image).read_bytes()
     async with Client(server, **(client_options or {})) as client:
         try:
-            info = await _embedding_model(client, model or f"{meta.model}/{meta.version}")
+            info = await embedding_model(client, model or f"{meta.model}/{meta.version}")
         except grpc.aio.AioRpcError as exc:
             if model or exc.code() != grpc.StatusCode.NOT_FOUND:
                 raise
-            info = await _embedding_model(client, "")  # the default: refused below if its
+            info = await embedding_model(client, "")  # the default: refused below if its
             # embedding space is not the index's
         pinned = f"{info.name}/{info.version}"
         (result,) = [r async for r in client.embed([("query", data)], model=pinned)]

@@ -122,18 +122,6 @@ def nearest(vectors: np.ndarray, query: np.ndarray, k: int) -> list[tuple[int, f
     return [(int(row), float(scores[row])) for row in rows]
 
 
-async def _model(client, server: str, model: str = ""):
-    """What serves `model` ("name", "name/version"; empty: the default model), which must
-    have an embedding output."""
-    info = await client.model_info(model)
-    if not info.embedding_dim:
-        raise EmbedError(
-            f"the model served at {server} ({info.name} version {info.version}) has no "
-            f"embedding output; export a new version with `raystream export` and serve it"
-        )
-    return info
-
-
 async def _index_model(client, index: Vectors) -> str:
     """The index's model version ("name/version") where it holds one and the server serves
     it (the query is then embedded in the index's space); else "" (the default model)."""
@@ -207,6 +195,7 @@ async def embed(args: argparse.Namespace, paths: list[Path], connection: dict) -
     failed."""
     from tqdm import tqdm
 
+    from clients.catalog import embedding_model
     from clients.client import Client, status_name
 
     fmt = file_format(args.out, args.format)
@@ -217,7 +206,7 @@ async def embed(args: argparse.Namespace, paths: list[Path], connection: dict) -
     async with Client(
         args.server, connections=args.connections, timeout=args.timeout, **connection
     ) as client:
-        info = await _model(client, args.server, args.model)
+        info = await embedding_model(client, args.model)
         # every vector from the version named in the file, even if another is loaded meanwhile
         pinned = f"{info.name}/{info.version}"
         async for result in client.embed(paths, batch_size=args.batch_size, model=pinned):
@@ -253,6 +242,7 @@ async def embed(args: argparse.Namespace, paths: list[Path], connection: dict) -
 
 async def similar(args: argparse.Namespace, connection: dict) -> int:
     """Prints the args.k nearest neighbours of args.query in the index, by cosine."""
+    from clients.catalog import embedding_model
     from clients.client import Client, status_name
     from clients.vector_index import META_FILE
 
@@ -270,7 +260,8 @@ async def similar(args: argparse.Namespace, connection: dict) -> int:
     if not query.is_file():
         raise EmbedError(f"{query}: no such file")
     async with Client(args.server, timeout=args.timeout, **connection) as client:
-        info = await _model(client, args.server, args.model or await _index_model(client, index))
+        model = args.model or await _index_model(client, index)
+        info = await embedding_model(client, model)
         pinned = f"{info.name}/{info.version}"
         (result,) = [r async for r in client.embed([query], model=pinned)]
     if not result.ok:
