@@ -1,8 +1,8 @@
 """What one call between two Ray processes costs, with no work on either side: a Serve
 deployment calling another through a DeploymentHandle (by value over Serve's gRPC transport,
-and through Ray's object store, as `stage_calls: handle` goes), against a plain Ray actor
+and through Ray's object store, as calls without `stage_ports` go), against a plain Ray actor
 calling another, and against the two Serve replicas calling over a port of the callee's own:
-raystream's framed link (serve_app/transport/call_link.py, as `stage_calls: port` goes) and a
+raystream's framed link (serve_app/transport/call_link.py, as calls with `stage_ports` go) and a
 grpc.aio
 unary method (raw bytes). For each: calls/s with `--in-flight` calls outstanding, each call's
 latency, and the CPU of the calling and the called process per call (every thread, from

@@ -131,7 +131,7 @@ async def _queued_calls(args, jpegs, start_at):
     from serve_app.config import AppConfig
     from serve_app.stages.nvjpeg_queue import NvjpegQueue
 
-    decoder = NvjpegQueue(AppConfig(decode="gpu", nvjpeg_chunk=args.chunk), PreprocessSpec())
+    decoder = NvjpegQueue(AppConfig(decode="gpu"), PreprocessSpec(), chunk=args.chunk or None)
     await decoder.warm()
     await decoder.decode(jpegs)
     await asyncio.sleep(max(start_at - time.time(), 0))

@@ -445,7 +445,7 @@ def run_grpc_load(
 
 def _baseline_worker(params: dict) -> dict:
     """In this process, no gRPC, no Ray: `images`-image batches of the load's photos decoded
-    with engines.images.decode (in the config's preprocess_threads threads) and
+    with engines.images.decode (in DEFAULT_PREPROCESS_THREADS threads) and
     classified by the config's engine, back to back; then the engine alone on the crops."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -456,9 +456,11 @@ def _baseline_worker(params: dict) -> dict:
     from engines.images import decode
     from engines.repository import resolve
     from serve_app.config import AppConfig
+    from serve_app.tuning import DEFAULT_PREPROCESS_THREADS as threads
 
     config = AppConfig.model_validate(params["args"])
-    ref = resolve(config.model_repository, config.model, config.model_version)
+    pinned = config.default_model_versions
+    ref = resolve(config.model_repository, config.model, pinned[0] if pinned else "")
     spec = ref.spec.preprocess
     mean, std = spec.mean_array, spec.std_array
     photos = load.builtin_photos()
@@ -475,7 +477,7 @@ def _baseline_worker(params: dict) -> dict:
             precision=engine_config.precision,
             **engine_config.options,
         ) as engine,
-        ThreadPoolExecutor(config.preprocess_threads) as pool,
+        ThreadPoolExecutor(threads) as pool,
     ):
         engine.warmup()
 
@@ -501,7 +503,7 @@ def _baseline_worker(params: dict) -> dict:
         "cpu_ms_per_image": cpu * 1000.0 / images,
         "engine_images_per_s": engine_images / engine_wall,
         "engine": pick_engine(engine_config.kind),
-        "decode_threads": config.preprocess_threads,
+        "decode_threads": threads,
         "batch": batch,
         "note": "decode on the CPU (PIL) whatever the config's `decode`",
     }

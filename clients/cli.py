@@ -682,7 +682,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=seconds,
         default=None,
         help="load, unload: stop waiting after this many seconds (the server goes on; "
-        "default: wait, up to the server's limits.load_timeout_s for a load)",
+        "default: wait, up to the server's load timeout, 600 s, for a load)",
     )
     p.add_argument("--server", default=DEFAULT_SERVER, help="host:port (default %(default)s)")
     _add_connection_options(p)

@@ -133,7 +133,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config, app = _serve_config(args.config, _overrides(args))
     try:
-        resolve(app.model_repository, app.model, app.model_version)
+        pinned = app.default_model_versions  # a models entry's versions, else the highest
+        resolve(app.model_repository, app.model, pinned[0] if pinned else "")
     except ModelNotFoundError as exc:
         raise ConfigError(str(exc)) from None
     batching = "Ingress" if app.topology == "direct" else "Inference"

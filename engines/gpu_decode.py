@@ -3,7 +3,8 @@
 PIL on 16 cores caps near 7,000 small photos/s while batched nvJPEG decodes 35,000/s on
 the same H200 host. With `decode: gpu`, the preprocess stage only reads JPEG headers
 (engines/jpeg.py); the JPEGs nvJPEG can take travel as bytes to the inference replica (or,
-with `preprocess_decodes_on_gpu`, stay in the Preprocess replica), which decodes them here.
+with `experimental.preprocess_decodes_on_gpu`, stay in the Preprocess replica), which decodes
+them here.
 Anything nvJPEG rejects is decoded again on the CPU, so its error message
 is the CPU path's.
 
@@ -73,7 +74,7 @@ class GpuJpegDecoder:
         (None: a call's all). Twelve processes decoding alone spent less CPU in chunks of 8
         than in calls of 64 (0.18 ms an image against 0.73), but the served config, its GPU
         busy with the engines too, served less at more CPU with them (docs/performance.md,
-        row 6): None unless the config's `nvjpeg_chunk` says."""
+        row 6): None in the server (bench/decode_procs.py --chunk measures others)."""
         self._spec, self._limits, self._device = spec, limits, torch.device(device)
         self._chunk = chunk
         self.decode_batch = decode_batch or self._torchvision_decoder()

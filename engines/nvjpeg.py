@@ -7,7 +7,7 @@ queues kernels and sleeps until they are done (with blocking-sync waits): on one
 0.07 ms an image at 94% of the hardware's images/s in calls of 64, but calls of 8-32 JPEGs
 were Huffman-decoded on the CPU (1.4 ms an image), and its kernels take SM time the engine
 needs (docs/performance.md). GpuJpegDecoder uses it for full calls only
-(`gpu_hybrid_decode`).
+(`experimental.gpu_hybrid_decode`).
 
 The library is the one torchvision loaded, called through ctypes: each decoding thread has
 its own decode state, initialized again only when its batch size changes.

@@ -7,8 +7,6 @@ one `Stages` deployment named for its main stage, and the Ingress gets their han
 from __future__ import annotations
 
 import os
-import secrets
-import uuid
 from typing import Any
 
 import ray
@@ -16,7 +14,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.config import AppConfig, BatchingConfig, Group, deployment_name, groups
+from serve_app.config import AppConfig, BatchingConfig, Group, deployment_name
 from serve_app.core.messages import Answer, Batch, Served
 from serve_app.ingress.deployment import Ingress
 from serve_app.models.registry import ModelRegistry
@@ -24,7 +22,13 @@ from serve_app.models.registry_actor import ActorStore
 from serve_app.observability.logs import to_serve_log
 from serve_app.observability.metrics import StageCallMetrics, StageMetrics
 from serve_app.pipeline.autoscaling import PORT_CALLS
-from serve_app.pipeline.topology import StageGroup, StageHandle, initial_versions
+from serve_app.pipeline.route import Wiring
+from serve_app.pipeline.topology import (
+    StageGroup,
+    StageHandle,
+    drain_timeout_s,
+    initial_versions,
+)
 from serve_app.transport.stage_port import PortCalls, StagePort
 
 # Topology direct: the replica runs raystream on Serve's own event loop, not on a second
@@ -52,24 +56,24 @@ class Stages:
     """A group of stages as a Serve deployment: a thin shell over StageGroup. The ingress
     chains the calls of the groups up to the one holding inference (serve_app/pipeline/topology.py,
     StageChain); that group passes its result on to the group after it (`next`) itself.
-    With `stage_calls: port` every group passes its result on to the next, over the next
-    group's ports, and serves its own port (serve_app/transport/stage_port.py)."""
+    Where the route says so (`stage_ports`), every group passes its result on to the next,
+    over the next group's ports, and serves its own port (serve_app/transport/stage_port.py)."""
 
-    async def __init__(self, config: dict, stages: Group, next: DeploymentHandle | None) -> None:
+    async def __init__(
+        self, config: dict, wiring: Wiring, stages: Group, next: DeploymentHandle | None
+    ) -> None:
         to_serve_log()
         config = AppConfig.model_validate(config)
         context = serve.get_replica_context()
-        registry = ModelRegistry(ActorStore(config.instance), config.instance)
-        self._drain_s = config.limits.drain_timeout_s
+        name = deployment_name(stages)
+        registry = ModelRegistry(ActorStore(wiring.instance), wiring.instance)
+        self._drain_s = drain_timeout_s()
         self._port = None
         self._port_calls_here = 0  # port calls in this group's own stages (autoscaling)
         self._metrics = StageMetrics()
-        if config.stage_calls == "port":
+        if wiring.route.serves_port(name):
             self._port = StagePort(
-                self._run_port_call,
-                config.stage_token,
-                deployment_name(stages),
-                then=self._pass_on,
+                self._run_port_call, wiring.stage_token, name, then=self._pass_on
             )
             first, last = config.stage_ports
             await self._port.start(ray.util.get_node_ip_address(), range(first, last + 1))
@@ -77,19 +81,20 @@ class Stages:
             config,
             stages,
             registry,
-            deployment_name(stages),
+            name,
             context.replica_id.unique_id,
             "" if self._port is None else self._port.address,
         )
         self._next = None
         if next is not None:
             self._next = StageHandle(next)
-            if config.stage_calls == "port":
+            hop = wiring.route.next_of(name)
+            if hop is not None and hop.transport == "port":
                 self._next = PortCalls(
                     registry,
-                    next.deployment_name,
+                    hop.callee,
                     self._next.run,
-                    config.stage_token,
+                    wiring.stage_token,
                     node=ray.util.get_node_ip_address(),  # crops on the GPU: this node's only
                     metrics=StageCallMetrics(),
                 )
@@ -131,7 +136,7 @@ class Stages:
     async def __del__(self) -> None:
         # Serve calls it when it stops the replica: stop polling the registry and the next
         # group's addresses first, so that no poll runs into the process's shutdown; calls
-        # over the port get drain_timeout_s.
+        # over the port get the drain timeout.
         self._group.stop()
         if isinstance(self._next, PortCalls):
             self._next.stop()
@@ -161,38 +166,27 @@ class Stages:
 
 
 def build_app(args: dict[str, Any]) -> Application:
-    """Validate the config and fail now (before any replica starts) if the model is missing."""
+    """Validate the config and fail now (before any replica starts) if the model is missing;
+    work out the route once and bind the deployments it names, each given it (`Wiring`)."""
     config = AppConfig.model_validate(args)
     if not initial_versions(config):
         raise ValueError("no model version to serve")
-    # One instance per deployment of the application: its replicas share the model state.
-    shared = {
-        **config.model_dump(mode="json"),
-        "instance": config.instance or uuid.uuid4().hex,
-        "stage_token": config.stage_token or secrets.token_hex(16),
-    }
-    stage_groups = groups(config)
-    if not stage_groups:
+    shared = config.model_dump(mode="json")
+    wiring = Wiring.of(config)
+    route = wiring.route
+    if not route.groups:
         # A config file's ray_actor_options replace these, and with them this runtime_env:
         # `raystream serve` and the direct configs in deploy/ set the variable themselves.
         env_vars = {name: os.environ.get(name, value) for name, value in DIRECT_REPLICA_ENV.items()}
         options = {**Ingress.ray_actor_options, "runtime_env": {"env_vars": env_vars}}
-        return Ingress.options(ray_actor_options=options).bind(shared)
+        return Ingress.options(ray_actor_options=options).bind(shared, wiring)
 
-    # The ingress chains the groups up to the one holding inference; the groups after it
-    # are called by the group before them (serve_app/pipeline/topology.py, StageChain).
-    def bind(group: Group, calls: Application | None) -> Application:
+    # Each group is given the handle of the deployment it calls itself (the route's hop
+    # from it), the last first; the ingress holds those up to the one holding inference.
+    bound: dict[str, Application] = {}
+    for group in reversed(route.groups):
         name = deployment_name(group)
-        return Stages.options(name=name, **DEFAULTS[name]).bind(shared, group, calls)
-
-    inference = next(i for i, group in enumerate(stage_groups) if "inference" in group)
-    after = None
-    for group in reversed(stage_groups[inference + 1 :]):
-        after = bind(group, after)
-    chained = [bind(stage_groups[inference], after)]
-    # Over ports (stage_calls: port) the groups before inference call the next group too,
-    # and the ingress calls only the first; it keeps every handle up to inference (info).
-    forward = config.stage_calls == "port"
-    for group in reversed(stage_groups[:inference]):
-        chained.insert(0, bind(group, chained[0] if forward else None))
-    return Ingress.bind(shared, *chained)
+        hop = route.next_of(name)
+        calls = None if hop is None else bound[hop.callee]
+        bound[name] = Stages.options(name=name, **DEFAULTS[name]).bind(shared, wiring, group, calls)
+    return Ingress.bind(shared, wiring, *(bound[name] for name in route.up_to_inference))

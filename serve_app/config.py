@@ -7,7 +7,7 @@ Per-deployment settings (replicas, autoscaling, `num_cpus`/`num_gpus`, batching 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -24,6 +24,18 @@ Stage = Literal["preprocess", "inference", "postprocess"]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    # Settings that went, and what to write instead: a config that still sets one is
+    # refused with this hint rather than pydantic's bare "extra inputs are not permitted".
+    MOVED: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_moved_settings(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, hint in cls.MOVED.items():
+                if name in data:
+                    raise ValueError(f"{name!r} is no longer a setting: {hint}")
+        return data
 
 
 class EngineConfig(_Strict):
@@ -48,28 +60,27 @@ class EngineConfig(_Strict):
 
 
 class LimitsConfig(_Strict):
+    """What one client may ask of a replica; past these, requests are refused."""
+
+    MOVED: ClassVar[dict[str, str]] = {
+        "drain_timeout_s": "the ingress drains for its deployment's graceful_shutdown_timeout_s "
+        "less a margin (serve_app/tuning.py)",
+        "max_stream_buffer_bytes": "a stream buffers at most limits.max_message_bytes",
+        "max_request_id_chars": "a constant now (serve_app/tuning.py)",
+        "max_request_pixels": "a constant now (serve_app/tuning.py)",
+        "engine_stall_timeout_s": "a constant now (serve_app/tuning.py)",
+        "load_timeout_s": "a constant now (serve_app/tuning.py)",
+    }
+
     max_images_per_request: int = Field(256, ge=1)
     max_image_bytes: int = Field(20 * 1024 * 1024, ge=1)
     max_image_pixels: int = Field(40_000_000, ge=1)
-    max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024)  # gRPC receive limit
-    # A stream holds at most this many requests, and this many bytes of them, read and not
-    # yet answered; past either it is not read (HTTP/2 flow control slows the client). An
-    # answer counts until gRPC has sent it, so a client that stops reading is bounded too.
+    # gRPC's receive limit, and the bytes of requests a stream holds read and not yet answered
+    max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    # A stream holds at most this many requests read and not yet answered; past it (or past
+    # max_message_bytes of them) it is not read, and HTTP/2 flow control slows the client.
     max_in_flight_per_stream: int = Field(64, ge=1)
-    max_stream_buffer_bytes: int = Field(64 * 1024 * 1024, ge=1)
-    max_request_id_chars: int = Field(256, ge=1)  # longer ids: INVALID_ARGUMENT
-    # Pixels one request may make the decoder decode (after JPEG DCT scaling): images past it
-    # fail alone (INVALID_ARGUMENT). Bounds the CPU one request can ask for.
-    max_request_pixels: int = Field(200_000_000, ge=1)
     max_in_flight_requests: int = Field(4096, ge=1)  # all streams and calls; past it: refused
-    drain_timeout_s: float = Field(10.0, ge=0.0)  # shutdown: time to answer what was read
-    # An engine call running longer fails the replica's health check: Serve replaces it
-    engine_stall_timeout_s: float = Field(120.0, gt=0.0)
-    # A model version not loaded and warmed (graphs captured, first batch run) in this long
-    # is stuck: a replica loading it at start fails to start, one loading it at run time
-    # fails its health check (Serve replaces either: a stuck thread cannot be stopped), and
-    # the ingress withdraws a run-time load not ready everywhere by then.
-    load_timeout_s: float = Field(600.0, gt=0.0)
 
 
 class SecurityConfig(_Strict):
@@ -98,44 +109,74 @@ class ModelControlConfig(_Strict):
     default, as in Triton's default model control mode: else any client that may infer
     could unload the model served."""
 
-    enabled: bool = False  # off: loads and unloads are refused (FAILED_PRECONDITION)
-    # If set, loads and unloads need "authorization: Bearer <this token>", and the inference
-    # token (security.auth_token_file) does not do: a credential of their own.
+    MOVED: ClassVar[dict[str, str]] = {
+        "enabled": "set model_control.token_file: loads and unloads are allowed with its token"
+    }
+
+    # Set: loads and unloads are allowed, with "authorization: Bearer <this token>" (the
+    # inference token does not do). Unset: they are refused (FAILED_PRECONDITION).
     token_file: Path | None = None
 
     @model_validator(mode="after")
-    def _token_needs_control(self) -> ModelControlConfig:
-        if self.token_file is not None:
-            if not self.enabled:
-                raise ValueError("model_control.token_file needs model_control.enabled: true")
-            if not self.token_file.is_file():
-                raise ValueError(f"{self.token_file} does not exist")
+    def _token_exists(self) -> ModelControlConfig:
+        if self.token_file is not None and not self.token_file.is_file():
+            raise ValueError(f"{self.token_file} does not exist")
         return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.token_file is not None
 
 
 class CacheConfig(_Strict):
     """The ingress' result cache (serve_app/core/result_cache.py): answers of images already seen,
     per ingress replica, and one engine pass for identical images in flight at once."""
 
-    # Off by default: with few repeated images it costs a hash per image for nothing, and
-    # memory on every ingress replica is the operator's to give.
-    enabled: bool = False
+    MOVED: ClassVar[dict[str, str]] = {"enabled": "set cache.max_bytes (0: off)"}
+
     # The cache's bound: its keys and answers' bytes (with a per-entry overhead) past this
-    # evict the least recently used.
-    max_bytes: int = Field(256 * 1024 * 1024, ge=0)
+    # evict the least recently used. 0, the default, is off: with few repeated images it
+    # costs a hash per image for nothing, and memory on every ingress replica.
+    max_bytes: int = Field(0, ge=0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
 
 
 class TracingConfig(_Strict):
     """OpenTelemetry traces of requests (serve_app/observability/tracing.py): spans from the
     ingress and every stage replica, exported over OTLP gRPC to a collector. Off by default."""
 
-    enabled: bool = False
+    MOVED: ClassVar[dict[str, str]] = {
+        "enabled": "set tracing.otlp_endpoint (null: off)",
+        "export_delay_s": "a constant now (serve_app/tuning.py)",
+    }
+
+    # host:port of an OTLP gRPC collector (plaintext); null, the default, is off
+    otlp_endpoint: str | None = None
     # Head sampling of requests that come without a sampled W3C traceparent; a request whose
     # client sends a sampled one is always traced (parent-based), one sent unsampled never.
     sample_ratio: float = Field(0.01, ge=0.0, le=1.0)
-    otlp_endpoint: str = "127.0.0.1:4317"  # host:port of an OTLP gRPC collector (plaintext)
-    # How long finished spans wait in a replica before they are sent, in one batch.
-    export_delay_s: float = Field(5.0, gt=0.0, le=60.0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.otlp_endpoint is not None
+
+
+class ExperimentalConfig(_Strict):
+    """Options measured on one GPU host only: they may change or go without notice."""
+
+    # With decode: gpu and Preprocess a deployment of its own: nvJPEG runs in the Preprocess
+    # replicas instead (give them num_gpus), whose crops reach Inference on the same GPU by
+    # CUDA IPC (serve_app/transport/device_crops.py).
+    preprocess_decodes_on_gpu: bool = False
+    # With decode: gpu, nvJPEG's full calls (64 JPEGs) use its GPU_HYBRID backend (Huffman
+    # decoding in CUDA kernels, a tenth of the CPU) instead of the JPEG hardware decoder,
+    # whose thread polls the hardware all call long (engines/nvjpeg.py); smaller calls, which
+    # GPU_HYBRID would decode on the CPU, stay on the hardware. Every GPU wait of the
+    # inference replicas then sleeps (as torch-cuda's blocking_sync).
+    gpu_hybrid_decode: bool = False
 
 
 class ModelEntry(_Strict):
@@ -157,27 +198,38 @@ class ModelEntry(_Strict):
 
 
 class AppConfig(_Strict):
+    """The application's `args`: what a person deploying raystream sets (docs/configuration.md).
+    What build_app works out for the replicas (the route, the shared secrets) is not here:
+    see serve_app/pipeline/route.py, `Wiring`."""
+
+    MOVED: ClassVar[dict[str, str]] = {
+        "model_version": "pin versions in a models entry: models: [{name: ..., versions: [...]}]",
+        "stage_calls": "set stage_ports: [first, last] for calls over the replicas' ports "
+        "(null: by Serve handle)",
+        "shared_images_bytes": "images go through shared memory by themselves with "
+        "stage_ports, on one node",
+        "preprocess_threads": "the decode threads follow the replica's num_cpus "
+        "(ray_actor_options)",
+        "preprocess_decodes_on_gpu": "set it under experimental:",
+        "gpu_hybrid_decode": "set it under experimental:",
+        "nvjpeg_chunk": "removed: nvJPEG takes a piece's JPEGs in one call",
+        "instance": "build_app makes it; it is not a setting",
+        "stage_token": "build_app makes it; it is not a setting",
+    }
+
     host: str = "127.0.0.1"  # loopback by default: binding elsewhere is a deliberate choice
     port: int = Field(9000, ge=0, le=65535)  # 0 picks a free port (tests)
     model_repository: Path = Path("models")
-    model: str = "efficientnet-lite0"
-    model_version: str = ""  # empty: the highest version in the repository
-    # Several models (and versions) at once: each with its version policy. Empty: `model`
-    # at `model_version` only. `model` stays the default (requests that name no model).
+    model: str = "efficientnet-lite0"  # the default model: requests that name none get it
+    # Several models (and versions) at once: each with its version policy. Empty: `model`,
+    # its highest version in the repository.
     models: tuple[ModelEntry, ...] = ()
-    # Set by build_app for each deployment of the application: names the shared state that
-    # the replicas of one deployment keep about the models loaded at run time.
-    instance: str = ""
-    # Set by build_app too: the secret that stage calls over the replicas' ports carry
-    # (serve_app/transport/stage_port.py).
-    stage_token: str = ""
     engine: EngineConfig = EngineConfig()
     limits: LimitsConfig = LimitsConfig()
     security: SecurityConfig = SecurityConfig()
     model_control: ModelControlConfig = ModelControlConfig()
     cache: CacheConfig = CacheConfig()
     tracing: TracingConfig = TracingConfig()
-    preprocess_threads: int = Field(2, ge=1, le=64)  # PIL releases the GIL while decoding
     # Which deployments run the stages (serve_app/pipeline/topology.py): chained (Preprocess,
     # Inference, Postprocess: three deployments), fused (one deployment runs all three),
     # direct (the ingress replica runs all three), or groups written out, such as
@@ -186,18 +238,6 @@ class AppConfig(_Strict):
     # cpu: PIL decodes every image. gpu: JPEGs are decoded by nvJPEG in the inference replica
     # (needs torchvision and a GPU there); the CPU stage only checks headers.
     decode: Literal["cpu", "gpu"] = "cpu"
-    # With decode: gpu and Preprocess a deployment of its own: nvJPEG runs in the Preprocess
-    # replicas instead (give them num_gpus), whose crops reach Inference on the same GPU by
-    # CUDA IPC (serve_app/transport/device_crops.py).
-    preprocess_decodes_on_gpu: bool = False
-    # With decode: gpu, the most JPEGs in one nvJPEG call (0: a piece's all, up to 64).
-    nvjpeg_chunk: int = Field(0, ge=0, le=64)
-    # With decode: gpu, nvJPEG's full calls (64 JPEGs) use its GPU_HYBRID backend (Huffman
-    # decoding in CUDA kernels, a tenth of the CPU) instead of the JPEG hardware decoder,
-    # whose thread polls the hardware all call long (engines/nvjpeg.py); smaller calls, which
-    # GPU_HYBRID would decode on the CPU, stay on the hardware. Every GPU wait of the
-    # inference replicas then sleeps (as torch-cuda's blocking_sync).
-    gpu_hybrid_decode: bool = False
     # Structured request logs (JSON lines in the ingress replica's Serve log): every failed
     # request or image, and this fraction of the successful ones.
     log_sample_rate: float = Field(0.01, ge=0.0, le=1.0)
@@ -217,20 +257,16 @@ class AppConfig(_Strict):
     # backlog, calls that end sooner let another stream's request, taken in turn
     # (serve_app/core/dispatch.py), be answered sooner.
     max_images_per_call: int = Field(0, ge=0)
-    # How stage calls travel: `handle`, Serve's DeploymentHandle calls; `port`, a TCP port
-    # of each stage replica's own (serve_app/transport/call_link.py), with the handle as fallback
-    # (serve_app/transport/stage_port.py).
-    stage_calls: Literal["handle", "port"] = "handle"
-    # The ports (first, last) that stage replicas listen on, on their node's address: each
-    # takes the first free one (docs/operations.md: what a firewall must let through).
-    stage_ports: tuple[int, int] = (9100, 9163)
-    # With `stage_calls: port`: shared memory (/dev/shm) each ingress replica may use to hand
-    # requests' images to stage replicas on its node instead of sending them in the call
-    # (serve_app/transport/shared_images.py); 0: calls carry the images.
-    shared_images_bytes: int = Field(0, ge=0)
+    # null: stage calls go by Serve handle. [first, last]: each stage replica also listens on
+    # the first free port of this range on its node's address, and the stages call each
+    # other over these ports (serve_app/transport/stage_port.py), with the handle as fallback.
+    stage_ports: tuple[int, int] | None = None
+    experimental: ExperimentalConfig = ExperimentalConfig()
 
     @model_validator(mode="after")
     def _stage_ports_a_range(self) -> AppConfig:
+        if self.stage_ports is None:
+            return self
         first, last = self.stage_ports
         if not 1024 <= first <= last <= 65535:
             raise ValueError(
@@ -251,28 +287,30 @@ class AppConfig(_Strict):
 
     @model_validator(mode="after")
     def _hybrid_decode_on_the_gpu(self) -> AppConfig:
-        if self.gpu_hybrid_decode and self.decode != "gpu":
-            raise ValueError("gpu_hybrid_decode needs decode: gpu")
+        if self.experimental.gpu_hybrid_decode and self.decode != "gpu":
+            raise ValueError("experimental.gpu_hybrid_decode needs decode: gpu")
         return self
 
     @model_validator(mode="after")
     def _preprocess_decodes_apart(self) -> AppConfig:
-        if not self.preprocess_decodes_on_gpu:
+        if not self.experimental.preprocess_decodes_on_gpu:
             return self
-        if self.decode != "gpu" or self.gpu_hybrid_decode:
+        if self.decode != "gpu" or self.experimental.gpu_hybrid_decode:
             raise ValueError(
-                "preprocess_decodes_on_gpu needs decode: gpu, without gpu_hybrid_decode"
+                "experimental.preprocess_decodes_on_gpu needs decode: gpu, without "
+                "gpu_hybrid_decode"
             )
         stage_groups = groups(self)  # direct: none, the ingress runs all three
         if not stage_groups or any("preprocess" in g and "inference" in g for g in stage_groups):
             raise ValueError(
-                "preprocess_decodes_on_gpu needs Preprocess a deployment apart from Inference "
-                "(topology chained, or groups such as [[preprocess], [inference, postprocess]])"
+                "experimental.preprocess_decodes_on_gpu needs Preprocess a deployment apart "
+                "from Inference (topology chained, or groups such as "
+                "[[preprocess], [inference, postprocess]])"
             )
-        if self.stage_calls != "port":  # a handle call would pickle the crops through the host
+        if self.stage_ports is None:  # a handle call would pickle the crops through the host
             raise ValueError(
-                "preprocess_decodes_on_gpu needs stage_calls: port (the crops' CUDA IPC handle "
-                "travels over the replicas' ports)"
+                "experimental.preprocess_decodes_on_gpu needs stage_ports (the crops' CUDA "
+                "IPC handle travels over the replicas' ports)"
             )
         return self
 
@@ -281,11 +319,6 @@ class AppConfig(_Strict):
         names = [entry.name for entry in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"models lists a model twice: {names}")
-        if self.models and self.model_version:
-            raise ValueError(
-                "model_version applies only without models; give the default model's "
-                "versions in its models entry"
-            )
         if self.models and self.model not in names:
             raise ValueError(f"the default model {self.model!r} is not in models: {names}")
         return self
@@ -293,10 +326,12 @@ class AppConfig(_Strict):
     @property
     def model_entries(self) -> tuple[ModelEntry, ...]:
         """The models served at start, each with its version policy."""
-        if self.models:
-            return self.models
-        versions = (self.model_version,) if self.model_version else ()
-        return (ModelEntry(name=self.model, versions=versions),)
+        return self.models or (ModelEntry(name=self.model),)
+
+    @property
+    def default_model_versions(self) -> tuple[str, ...]:
+        """The versions pinned for the default model (empty: its highest)."""
+        return next(entry.versions for entry in self.model_entries if entry.name == self.model)
 
     @model_validator(mode="after")
     def _absolute_repository(self) -> AppConfig:
@@ -307,6 +342,11 @@ class AppConfig(_Strict):
 
 class BatchingConfig(_Strict):
     """The inference deployment's `user_config`: changed at run time without a restart."""
+
+    MOVED: ClassVar[dict[str, str]] = {
+        "batcher": "removed: the dynamic batcher is the only one",
+        "max_concurrent_batches": "the engine's own (2 a GPU or ONNX Runtime engine, 1 echo)",
+    }
 
     max_batch_size: int = Field(
         32,
@@ -321,13 +361,7 @@ class BatchingConfig(_Strict):
     # 0: a batch starts as soon as the engine is free and takes everything queued meanwhile
     # (under load batches fill by themselves; at low load nothing waits).
     batch_wait_timeout_s: float = Field(0.0, ge=0.0, le=10.0)
-    # dynamic: serve_app/stages/batching.py (batches form when the engine is free); serve: Ray
-    # Serve's @serve.batch (forms batches eagerly; for comparison).
-    batcher: Literal["dynamic", "serve"] = "dynamic"
     max_queued_images: int = Field(4096, ge=1)  # past this, requests get RESOURCE_EXHAUSTED
-    # Batches the engine runs at once (batcher: dynamic): default the engine's
-    # `batches_at_once` (2; the echo engine 1).
-    max_concurrent_batches: int | None = Field(None, ge=1, le=2)
 
 
 # -- the topology: which deployments run the stages (serve_app/pipeline/topology.py runs them) -----

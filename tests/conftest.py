@@ -274,24 +274,25 @@ def start_app(name: str, model_repository: Path, **args: object):
 
 
 @pytest.fixture(scope="session", params=["chained", "fused", "direct", "chained-port"])
-def server(request, ray_cluster, two_versions: Path) -> str:
+def server(request, ray_cluster, two_versions: Path, tmp_path_factory) -> str:
     """The whole application under real Ray Serve, gRPC on a free loopback port, in each
     topology (serve_app/pipeline/topology.py), serving the highest of two versions in its
     repository;
     `chained-port`: chained, the stage calls over the replicas' ports (stage_port.py), the
-    images to Preprocess through shared memory (shared_images.py)."""
+    images to Preprocess through shared memory (shared_images.py, automatic on one node)."""
     from ray import serve
+    from support import model_control
 
     topology, _, calls = request.param.partition("-")
     port, handle = start_app(
         "raystream",
         two_versions,
         topology=topology,
-        stage_calls=calls or "handle",
-        shared_images_bytes=(64 << 20) if calls == "port" else 0,
+        stage_ports=(9100, 9163) if calls == "port" else None,
         engine={"kind": "onnxruntime"},
         limits={"max_images_per_request": 16},
-        model_control={"enabled": True},  # test_tritonclient loads and unloads
+        # test_tritonclient loads and unloads, with support.CONTROL_TOKEN
+        model_control=model_control(tmp_path_factory.mktemp("control")),
     )
     request.config.raystream_ingress = handle  # for tests that inspect the ingress
     yield f"127.0.0.1:{port}"

@@ -12,6 +12,18 @@ from pathlib import Path
 from raystream.v1 import classifier_pb2 as pb
 from serve_app.core.messages import Batch, Job
 
+# Model control's token (model_control.token_file) in the test servers that load and unload.
+CONTROL_TOKEN = "control-secret"
+CONTROL_METADATA = (("authorization", f"Bearer {CONTROL_TOKEN}"),)
+
+
+def model_control(directory: Path) -> dict[str, str]:
+    """The `model_control` args that allow loads and unloads with CONTROL_TOKEN, its file
+    written in `directory`."""
+    path = directory / "control-token"
+    path.write_text(CONTROL_TOKEN + "\n")
+    return {"token_file": str(path)}
+
 
 def batch_of(*requests: list[bytes]) -> Batch:
     """A stage batch with one job per list of image bytes, top 1 each."""

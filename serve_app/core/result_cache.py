@@ -2,8 +2,8 @@
 asked of it, so a repeated image skips every stage; and one engine pass for identical images
 in flight at once (in-flight dedup).
 
-Only the serving core (serve_app/core/serving.py) uses it, and only where `cache.enabled`: there a
-hit costs a hash and a dict lookup, not a Ray call, a decode and an engine pass.
+Only the serving core (serve_app/core/serving.py) uses it, and only where `cache.max_bytes` is
+set: there a hit costs a hash and a dict lookup, not a Ray call, a decode and an engine pass.
 
 - **Key**: BLAKE3 (a cryptographic hash, so no client can make an image collide with
   another's; 2.7x SHA-256's speed on the ingress' CPUs: 18 against 48 us for an 84 KB JPEG) of

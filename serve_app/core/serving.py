@@ -42,12 +42,10 @@ from serve_app.models.registry import parse_model_name
 from serve_app.observability import tracing
 from serve_app.observability.metrics import IngressMetrics
 from serve_app.observability.tracing import RequestTrace
+from serve_app.tuning import MAX_REQUEST_ID_CHARS, STAGE_RETRIES
 from serve_app.wire.answers import answer_bytes_bound, failed, with_ingress_times
 
 logger = logging.getLogger(__name__)
-# Calls sent again after losing a stage replica (_call): once covers a replica or node lost
-# mid-call; a request that itself kills replicas (say, by memory) costs at most two.
-STAGE_RETRIES = 1
 # What a call's requests get when the replica stops under it (its tasks cancelled).
 STOPPING = Failure(int(Code.UNAVAILABLE), "the server is stopping; send the request again")
 
@@ -181,13 +179,13 @@ class ServingCore:
             )
 
     def bounded_id(self, request_id: str) -> str:
-        """`request_id` as answers echo it: cut to `max_request_id_chars` (the request is
+        """`request_id` as answers echo it: cut to MAX_REQUEST_ID_CHARS (the request is
         then refused: check_id), so no answer or log line grows with it."""
-        return request_id[: self._limits.max_request_id_chars]
+        return request_id[:MAX_REQUEST_ID_CHARS]
 
     def check_id(self, request_id: str, field: str = "request_id") -> None:
         """`field`: what the protocol calls the id (OIP: `id`)."""
-        limit = self._limits.max_request_id_chars
+        limit = MAX_REQUEST_ID_CHARS
         if len(request_id) > limit:
             raise InvalidArgument(
                 f"{field} is {len(request_id)} characters, over the limit of {limit}; "

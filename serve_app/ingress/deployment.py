@@ -24,21 +24,27 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from raystream.oip import grpc_predict_v2_pb2 as oip
-from serve_app.config import STAGES, AppConfig, deployment_names
+from serve_app.config import STAGES, AppConfig
 from serve_app.core.messages import Served
 from serve_app.core.serving import ServingCore
 from serve_app.ingress.security import TokenAuth, server_credentials
 from serve_app.models.lifecycle import ModelLifecycle
-from serve_app.models.registry import POLL_S, ModelRegistry
+from serve_app.models.registry import ModelRegistry
 from serve_app.models.registry_actor import ActorStore
 from serve_app.observability import tracing
 from serve_app.observability.logs import to_serve_log
 from serve_app.observability.metrics import resident_memory_bytes
-from serve_app.pipeline.route import route
-from serve_app.pipeline.topology import StageChain, StageGroup, initial_versions
+from serve_app.pipeline.route import Wiring
+from serve_app.pipeline.topology import (
+    StageChain,
+    StageGroup,
+    drain_timeout_s,
+    initial_versions,
+)
 from serve_app.protocol import v1
 from serve_app.protocol.oip import OpenInferenceService
 from serve_app.protocol.streams import StreamRunner
+from serve_app.tuning import LOAD_TIMEOUT_S, POLL_S, SHARED_IMAGES_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -58,29 +64,32 @@ class Ingress:
     where this replica runs the stages and takes the batching `user_config` that the
     Inference deployment takes otherwise."""
 
-    async def __init__(self, config: dict, *stages: DeploymentHandle) -> None:
+    async def __init__(self, config: dict, wiring: Wiring, *stages: DeploymentHandle) -> None:
         to_serve_log()
         self._server: grpc.aio.Server | None = None
         self._config = AppConfig.model_validate(config)
+        self._drain_s = drain_timeout_s()
+        route = wiring.route
         tracing.configure(self._config.tracing, "Ingress")
         self._local: StageGroup | None = None
         self._chain: StageChain | None = None
         replica = serve.get_replica_context().replica_id.unique_id
-        registry = ModelRegistry(ActorStore(self._config.instance), self._config.instance)
+        registry = ModelRegistry(ActorStore(wiring.instance), wiring.instance)
         if stages:
-            port = self._config.stage_calls == "port"
+            # Over the ports, images go to stage replicas on this node through shared memory.
+            port = route.over_ports
             chain = StageChain(
                 list(stages),
                 registry if port else None,
-                self._config.stage_token,
+                wiring.stage_token,
                 ray.util.get_node_ip_address(),
-                self._config.shared_images_bytes,
+                SHARED_IMAGES_BYTES if port else 0,
             )
             logger.info("stage calls from the ingress: %s", chain.transport)
-            logger.info("the route: %s", "; ".join(map(str, route(self._config))))
+            logger.info("the route: %s", route)
             info, run = chain.info, chain.run
             self._chain = chain
-            stage_deployments = deployment_names(self._config.topology)
+            stage_deployments = set(route.deployments)
         else:
             self._local = await StageGroup.create(
                 self._config, STAGES, registry, "Ingress", replica
@@ -89,9 +98,8 @@ class Ingress:
             run = self._local.run
             stage_deployments = {"Ingress"}
         limits = self._config.limits
-        self._streams = StreamRunner(
-            limits.max_in_flight_per_stream, limits.max_stream_buffer_bytes
-        )
+        # a stream buffers at most what one message may carry
+        self._streams = StreamRunner(limits.max_in_flight_per_stream, limits.max_message_bytes)
         self._core = ServingCore(self._config, [], run)
         self._core.stage_transport = "local" if self._chain is None else self._chain.transport
         self._models = ModelLifecycle(
@@ -102,8 +110,8 @@ class Ingress:
             info,
             self._config.model_repository,
             self._config.model_entries,
-            limits.drain_timeout_s,
-            limits.load_timeout_s,
+            self._drain_s,
+            LOAD_TIMEOUT_S,
         )
         wanted = registry.start(initial_versions(self._config))
         while not all(key in self._core.models for key in wanted):  # the stages warm up
@@ -133,7 +141,7 @@ class Ingress:
         self._server.add_generic_rpc_handlers(
             (
                 v1.ClassifierService(
-                    self._core, self._streams, tuple(map(str, route(self._config)))
+                    self._core, self._streams, tuple(map(str, route.hops))
                 ).handler(),
             )
         )
@@ -215,14 +223,14 @@ class Ingress:
     async def __del__(self) -> None:
         # Ray Serve calls __del__ when it stops a replica (delete, redeploy, scale-down):
         # report NOT_SERVING so balancers move on, refuse new calls, stop reading streams,
-        # and give what was read `drain_timeout_s` to be answered.
+        # and give what was read the drain timeout (serve_app/tuning.py) to be answered.
         if self._server is not None:
             self._models.stop()  # no registry poll runs into the process's shutdown
             if self._chain is not None:
                 self._chain.stop()  # nor a read of the stage ports' addresses
             await self._health.enter_graceful_shutdown()
             self._streams.drain()
-            await self._server.stop(grace=self._config.limits.drain_timeout_s)
+            await self._server.stop(grace=self._drain_s)
             if self._chain is not None:
                 await self._chain.close()
             await self._models.leave()

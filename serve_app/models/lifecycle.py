@@ -39,12 +39,13 @@ from serve_app.errors import (
     Unavailable,
     clip,
 )
-from serve_app.models.registry import POLL_S, ModelRegistry, key_of, parse_model_name, split_key
+from serve_app.models.registry import ModelRegistry, key_of, parse_model_name, split_key
+from serve_app.tuning import POLL_S
 
 logger = logging.getLogger(__name__)
 
 ROUTES = "ingress-routes"  # the deployment name under which ingresses report their routes
-# An ingress waits this much past limits.load_timeout_s for a load: a stage replica's own
+# An ingress waits this much past LOAD_TIMEOUT_S for a load: a stage replica's own
 # timeout (its load starts up to POLL_S after the ask, its report comes within POLL_S)
 # fires first, so the caller hears which version is stuck rather than a bare deadline.
 REPORT_MARGIN_S = 4 * POLL_S
@@ -237,7 +238,7 @@ class ModelLifecycle:
                 if errors:
                     raise Unavailable(f"{LOAD_FAILED}: {errors}")
                 raise DeadlineExceeded(
-                    f"{keys} not ready on every replica in limits.load_timeout_s "
+                    f"{keys} not ready on every replica in the load timeout "
                     f"({self._load_timeout_s:g} s)"
                 )
             await asyncio.sleep(POLL_S)

@@ -28,13 +28,9 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from serve_app.errors import ModelNotFound, clip
+from serve_app.tuning import FRESH_S, START_WAIT_S
 
 State = Literal["serve", "drain"]
-POLL_S = 0.25  # how often replicas look at the desired state and report (a local read)
-FRESH_S = 5.0  # a report not renewed for this long, on the store's clock, is of a replica gone
-# How long a starting replica waits for the first one to write the initial state; past it
-# (that replica died in between), it writes the state itself.
-START_WAIT_S = 10.0
 REPORTS = "report/"  # the keys of the replicas' reports, under the instance: ephemeral
 
 

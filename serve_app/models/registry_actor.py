@@ -26,14 +26,11 @@ import uuid
 import ray
 
 from serve_app.models.registry import MemoryStore, ephemeral
+from serve_app.tuning import EXPIRE_S, HEARTBEAT_S, IDLE_EXIT_S, WATCH_S
 
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "raystream"
-HEARTBEAT_S = 1.0  # how often a replica renews a report that has not changed
-WATCH_S = 30.0  # a watch returns after this long even if nothing changed
-EXPIRE_S = 0.5  # how often the actor drops the reports not renewed
-IDLE_EXIT_S = 120.0
 
 Snapshot = tuple[str, int, dict[str, bytes]]  # (the actor's epoch, its version, the store)
 

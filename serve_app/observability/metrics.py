@@ -17,13 +17,13 @@ Ray prefixes every name with `ray_`). Named and labelled after Triton's `nv_infe
                                                only the calls by handle)
     raystream_requests_in_flight               requests being answered (gauge)
     raystream_rejected_request_total{code}     requests refused: overload, duplicate id, limits
-    raystream_cache_image_total{result}        images looked up in the result cache (cache.enabled):
+    raystream_cache_image_total{result}        images looked up in the result cache (if on):
                                                hit, miss (sent to the stages), shared (waited
                                                for an identical image in flight)
     raystream_cache_eviction_total             entries the result cache dropped for room
     raystream_cache_bytes, raystream_cache_entries   its size now (gauges)
     raystream_stage_calls_total{callee,transport,outcome}   calls to the stage deployment
-                                               `callee` (`stage_calls: port`; Serve's own
+                                               `callee` (`stage_ports`; Serve's own
                                                `deployment` tag names the caller):
                                                transport port or handle; outcome ok,
                                                error (the stage's answer), link_down (the
@@ -165,7 +165,7 @@ class InferenceMetrics:
 
 
 class StageMetrics:
-    """A stage replica's calls over its own port (stage_calls: port), which Serve does not
+    """A stage replica's calls over its own port (stage_ports), which Serve does not
     see: set as each call starts and ends, one Ray call each (a call carries many requests)."""
 
     def __init__(self) -> None:

@@ -1,6 +1,6 @@
 """OpenTelemetry traces of requests, across the ingress and the stage replicas.
 
-Off by default (`tracing.enabled`); then every helper here returns at its first `if` and
+Off by default (`tracing.otlp_endpoint` unset); then every helper here returns at its first `if` and
 creates nothing. On, each process builds one tracer (`configure`) with parent-based head
 sampling: a request whose client sent a sampled W3C `traceparent` (gRPC metadata) is always
 traced, one sent unsampled never, and the others at `sample_ratio`. Spans go in batches over
@@ -45,6 +45,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from serve_app.config import TracingConfig
 from serve_app.core.messages import Batch, Job, copied
+from serve_app.tuning import TRACE_EXPORT_DELAY_S
 from serve_app.wire.request_images import buffers
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ def configure(config: TracingConfig, process: str) -> None:
     sampler = ParentBased(TraceIdRatioBased(config.sample_ratio))
     _provider = TracerProvider(sampler=sampler, resource=resource)
     exporter = OTLPSpanExporter(endpoint=config.otlp_endpoint, insecure=True)
-    delay_ms = int(config.export_delay_s * 1000)
+    delay_ms = int(TRACE_EXPORT_DELAY_S * 1000)
     _provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=delay_ms))
     _tracer = _provider.get_tracer("raystream")
     logger.info(

@@ -2,7 +2,7 @@
 
 Serve scales a deployment on its requests in flight (running at its replicas and queued at
 its callers' handles) against `target_ongoing_requests` per replica. Calls over the stage
-ports (`stage_calls: port`, serve_app/transport/stage_port.py) are not Serve requests, so each stage
+ports (`stage_ports`, serve_app/transport/stage_port.py) are not Serve requests, so each stage
 replica reports its port's calls in flight as a custom metric (`Stages.record_autoscaling_stats`,
 serve_app/app.py) and this policy adds them to Serve's count. Over handles the metric stays 0
 and the policy decides as Serve's default does. Serve applies the rest of the

@@ -13,7 +13,7 @@ or any grouping written out, e.g. `[[preprocess, inference], [postprocess]]`. A 
 for its main stage (Inference if it holds inference), and that name is what the Serve
 config's `deployments:` section configures. The ingress sends each micro-batch of requests
 through the groups as a chain of handle calls (serve_app/ingress/deployment.py), or with
-`stage_calls: port` over the replicas' own gRPC ports (serve_app/transport/stage_port.py).
+`stage_ports` over the replicas' own gRPC ports (serve_app/transport/stage_port.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import asyncio
 import ctypes
 import gc
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -29,13 +30,15 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
+import ray
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from engines.repository import ModelRef, ModelSpec, PreprocessSpec, resolve, select_versions
+from serve_app import tuning
 from serve_app.config import MESSAGE_LIMIT_ENV, AppConfig, Group
 from serve_app.core.messages import Answer, Batch, Served
 from serve_app.errors import Unavailable, clip
-from serve_app.models.registry import POLL_S, ModelRegistry, key_of, split_key
+from serve_app.models.registry import ModelRegistry, key_of, split_key
 from serve_app.observability import tracing
 from serve_app.observability.metrics import StageCallMetrics, resident_memory_bytes
 from serve_app.observability.tracing import StageTrace
@@ -43,6 +46,12 @@ from serve_app.stages.inference import InferenceStage
 from serve_app.stages.postprocess import PostprocessStage
 from serve_app.stages.preprocess import PreprocessStage, load_model
 from serve_app.transport.stage_port import PortCalls
+from serve_app.tuning import (
+    BY_VALUE_MAX_BYTES,
+    BY_VALUE_MIN_LIMIT,
+    DEFAULT_PREPROCESS_THREADS,
+    POLL_S,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,8 +67,30 @@ T = TypeVar("T")
 # only where it is raised to BY_VALUE_MIN_LIMIT. The shipped configs set 1 GiB in the
 # application's runtime_env (every replica has it), and `raystream serve` sets it for any config
 # that does not (serve_app/config.py, BY_VALUE_ENV).
-BY_VALUE_MIN_LIMIT = 256 << 20
-BY_VALUE_MAX_BYTES = 4 << 20
+
+
+def decode_threads() -> int:
+    """The CPU decode threads of this replica's preprocess stage: the CPUs Ray gave it
+    (ray_actor_options' num_cpus, rounded up), at least DEFAULT_PREPROCESS_THREADS, so that
+    one thread stays free for cheap images while another decodes a heavy one (decode_pool.py)."""
+    cpus = 0.0
+    if ray.is_initialized():
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+    return max(DEFAULT_PREPROCESS_THREADS, math.ceil(cpus))
+
+
+def drain_timeout_s() -> float:
+    """How long this stopping replica gives what it has read to be answered: from its
+    deployment's graceful_shutdown_timeout_s (serve_app/tuning.py, drain_timeout_s)."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        context = serve.get_replica_context()
+    except RayServeException:  # not in a replica (tests)
+        return tuning.drain_timeout_s(None)
+    config = getattr(context, "_deployment_config", None)  # not public: Serve may rename it
+    return tuning.drain_timeout_s(getattr(config, "graceful_shutdown_timeout_s", None))
 
 
 def message_limit() -> int:
@@ -111,7 +142,7 @@ class StageChain:
         node: str = "",
         shared_bytes: int = 0,
     ) -> None:
-        """`registry`: with `stage_calls: port`, where the first group's replicas report
+        """`registry`: with `stage_ports`, where the first group's replicas report
         their ports (`token`: the stage token); each group then calls the next itself
         (serve_app/app.py), so the ingress makes one call, over a port (stage_port.py),
         handing the images to replicas on its `node` in `shared_bytes` of shared memory."""
@@ -179,7 +210,7 @@ class ModelStages:
         preprocess: Callable[[PreprocessSpec], Awaitable[PreprocessStage]],
     ) -> ModelStages:
         spec = model.spec
-        decodes = config.decode == "gpu" and not config.preprocess_decodes_on_gpu
+        decodes = config.decode == "gpu" and not config.experimental.preprocess_decodes_on_gpu
         return cls(
             spec,
             await preprocess(spec.preprocess) if "preprocess" in stages else None,
@@ -258,7 +289,7 @@ class StageGroup:
         group.models: dict[str, ModelStages] = {}
         group._unloading: dict[str, ModelStages] = {}  # still watched while they close
         group.failed: dict[str, str] = {}
-        group._stuck: str | None = None  # a load past limits.load_timeout_s (check_health)
+        group._stuck: str | None = None  # a load past LOAD_TIMEOUT_S (check_health)
         group._preprocess: dict[PreprocessSpec, PreprocessStage] = {}
         group._user_config: dict | None = None
         group._default = config.model
@@ -284,7 +315,7 @@ class StageGroup:
 
     async def _sync(self, wanted: list[str], at_start: bool = False) -> None:
         """Load (and warm) the versions wanted and not held; drop those held and not wanted.
-        A load stuck past limits.load_timeout_s ends the loading: this replica is to be
+        A load stuck past LOAD_TIMEOUT_S ends the loading: this replica is to be
         replaced (check_health). At run time the version is no longer wanted either, as the
         ingress that asked for it decides at the same deadline (it may have gone): else
         every replica started in this one's place would load it and get stuck again."""
@@ -294,7 +325,7 @@ class StageGroup:
             if key in self.models or key in self.failed:
                 continue
             name, version = split_key(key)
-            limit = self._config.limits.load_timeout_s
+            limit = tuning.LOAD_TIMEOUT_S  # read here: tests lower it
             try:
                 model = resolve(self._config.model_repository, name, version)
                 loaded = await _within(
@@ -307,7 +338,7 @@ class StageGroup:
                 continue
             if loaded is None:  # its thread goes on: only a new process is clean
                 self._stuck = self.failed[key] = (
-                    f"loading model {key} ran past limits.load_timeout_s ({limit:g} s); it is stuck"
+                    f"loading model {key} ran past its load timeout ({limit:g} s); it is stuck"
                 )
                 logger.error(self._stuck)
                 if not at_start and self._registry is not None:
@@ -338,14 +369,14 @@ class StageGroup:
         )
 
     def check_health(self) -> None:
-        """Raises where an engine or nvJPEG call has run past `limits.engine_stall_timeout_s`:
+        """Raises where an engine or nvJPEG call has run past ENGINE_STALL_TIMEOUT_S:
         it is stuck (a hung GPU or runtime), and Serve replaces a replica whose health check
         fails; the calls it held are sent again elsewhere (serve_app/core/serving.py). Raises too
-        once a model version's load has run past `limits.load_timeout_s`."""
+        once a model version's load has run past LOAD_TIMEOUT_S."""
         if self._stuck is not None:
             logger.error(self._stuck)
             raise RuntimeError(self._stuck)
-        limit = self._config.limits.engine_stall_timeout_s
+        limit = tuning.ENGINE_STALL_TIMEOUT_S  # read here: tests lower it
         held = {**self.models, **self._unloading}
         stages = [(f"model {key}", s.inference) for key, s in held.items() if s.inference]
         stages += [("preprocess", stage) for stage in self._preprocess.values()]
@@ -353,7 +384,7 @@ class StageGroup:
             if (ran := stage.stalled_s()) > limit:
                 message = (
                     f"{name}: a GPU or engine call has run for {ran:.0f} s, past "
-                    f"limits.engine_stall_timeout_s ({limit:g} s); it is stuck"
+                    f"the stall timeout ({limit:g} s); it is stuck"
                 )
                 logger.error(message)
                 raise RuntimeError(message)
@@ -396,8 +427,8 @@ class StageGroup:
     async def _preprocess_stage(self, spec: PreprocessSpec) -> PreprocessStage:
         """Versions that preprocess alike share one stage (its decode threads stay)."""
         if spec not in self._preprocess:
-            decodes = self._config.preprocess_decodes_on_gpu
-            stage = PreprocessStage(self._config, spec, decodes=decodes)
+            decodes = self._config.experimental.preprocess_decodes_on_gpu
+            stage = PreprocessStage(self._config, spec, decodes, decode_threads())
             try:
                 await stage.warm()
             except BaseException:  # failed, or given up (stuck): a later load makes another

@@ -459,8 +459,8 @@ class OpenInferenceService(oip_grpc.GRPCInferenceServiceServicer):
         if not self._model_control:
             raise ModelControlOff(
                 "model control is off: this server does not load or unload models at run "
-                "time; turn it on with `model_control: {enabled: true}` in the application's "
-                "args (docs/operations.md)"
+                "time; turn it on with `model_control: {token_file: <a file holding its token>}` "
+                "in the application's args (docs/operations.md)"
             )
 
 

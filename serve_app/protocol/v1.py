@@ -24,15 +24,12 @@ from serve_app.errors import (
 )
 from serve_app.observability import tracing
 from serve_app.protocol.streams import StreamRunner
+from serve_app.tuning import SPLIT_MIN_BYTES
 from serve_app.wire.pixels import client_pixels
 from serve_app.wire.request_images import split_images
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ImageClassifier"].full_name
 IMAGES_FIELD = pb.ClassifyRequest.DESCRIPTOR.fields_by_name["images"].number
-# Below this, parsing a message whole and copying its images out costs less than walking its
-# fields in Python (on the 2-core CPU machine, a request of 8 images of 5 KB: 3.9 against
-# 10 us; of 86 KB: 38 against 16).
-SPLIT_MIN_BYTES = 64 << 10
 REPLICA_METADATA = "raystream-replica"
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from engines.images import DecodeLimits, InvalidImage
 from serve_app.config import AppConfig
 from serve_app.errors import DeadlineExceeded
+from serve_app.tuning import HEAVY_PIXELS
 
 
 def decode_limits(config: AppConfig) -> DecodeLimits:
@@ -38,9 +39,6 @@ def decode_limits(config: AppConfig) -> DecodeLimits:
 
 
 logger = logging.getLogger(__name__)
-
-# Decoding ~4 megapixels costs about 0.1 s of one core (a 16-bit PNG: 30 ns a pixel).
-HEAVY_PIXELS = 4_000_000
 
 
 @dataclass(eq=False)
@@ -191,7 +189,7 @@ class DecodePool:
                     result = InvalidImage(
                         f"decoding this image ({cost} pixels) would take the request past its "
                         f"budget of {self._max_request_pixels} decoded pixels "
-                        f"(limits.max_request_pixels); send it in another request"
+                        f"(MAX_REQUEST_PIXELS); send it in another request"
                     )
                     return self._done(job, result, locked=True)
                 request.pixels_left -= cost

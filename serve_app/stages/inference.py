@@ -23,7 +23,6 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import numpy as np
-from ray import serve
 
 from engines import Engine, EngineInfo, Outputs, create_engine, pick_engine
 from engines import scores as postprocessing
@@ -33,16 +32,12 @@ from serve_app.core.messages import NO_OWNERS, Batch, Failure, Job, StageTiming,
 from serve_app.errors import Code, Unavailable
 from serve_app.observability.metrics import InferenceMetrics
 from serve_app.stages.batching import DynamicBatcher
-from serve_app.stages.nvjpeg_queue import DECODE_BATCH, NvjpegQueue
+from serve_app.stages.nvjpeg_queue import NvjpegQueue
 from serve_app.stages.stall_watch import StallWatch
+from serve_app.tuning import DECODE_BATCH, MAX_CONCURRENT_BATCHES
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
-
-# The most engine batches at once (an engine's `batches_at_once`, or the user_config's
-# max_concurrent_batches): GPU engines hold this many slots (engines/cuda_graphs.py), and
-# ONNX Runtime splits the cores between them (engine_options).
-MAX_CONCURRENT_BATCHES = 2
 
 
 @dataclass(frozen=True)
@@ -106,7 +101,7 @@ def _kind(pixels) -> str:
 class InferenceStage:
     """Owns one engine; `run(batch)` scores every image of every live job in the batch.
     `decodes`: the JPEGs the preprocess stage left encoded are decoded here (decode: gpu,
-    unless the Preprocess replicas decode them: preprocess_decodes_on_gpu)."""
+    unless the Preprocess replicas decode them: experimental.preprocess_decodes_on_gpu)."""
 
     @classmethod
     async def create(
@@ -120,7 +115,8 @@ class InferenceStage:
         self._spec = model.spec
         self._mean = model.spec.preprocess.mean_array
         self._std = model.spec.preprocess.std_array
-        if config.gpu_hybrid_decode:  # its decode waits for kernels: asleep, not spinning
+        # its decode waits for kernels: asleep, not spinning
+        if config.experimental.gpu_hybrid_decode:
             import torch
 
             from engines.cuda_graphs import sleep_in_every_gpu_wait
@@ -164,7 +160,7 @@ class InferenceStage:
         the batchers' workers stop (what they held fails UNAVAILABLE), and with decode: gpu
         the decode thread. A batch stuck in the engine holds the close, and the health
         check sees it (StageGroup.check_health)."""
-        self._closed = True  # what @serve.batch (batcher: serve) still holds fails too
+        self._closed = True  # a batch formed meanwhile fails too
         closing = [batcher.close() for batcher in self._batchers.values()]
         if self._nvjpeg is not None:
             closing.append(self._nvjpeg.close())
@@ -203,9 +199,7 @@ class InferenceStage:
             batcher.max_batch_size = batching.max_batch_size
             batcher.max_delay_s = batching.batch_wait_timeout_s
             batcher.max_queued = batching.max_queued_images
-            batcher.set_concurrency(batching.max_concurrent_batches or self._engine.batches_at_once)
-        self._serve_batch.set_max_batch_size(batching.max_batch_size)
-        self._serve_batch.set_batch_wait_timeout_s(batching.batch_wait_timeout_s)
+            batcher.set_concurrency(self._engine.batches_at_once)
         logger.info("batching: %s", batching)
 
     def batching(self) -> dict:
@@ -364,19 +358,8 @@ class InferenceStage:
         )
 
     async def _submit(self, pixels, deadline: float | None) -> _Ran:
-        if self._batching.batcher == "serve" and _kind(pixels) == "uint8":
-            return await self._serve_batch(pixels)  # @serve.batch has no deadlines
         ran, _ = await self._batchers[_kind(pixels)].submit(pixels, deadline)
         return ran
-
-    @serve.batch(
-        max_batch_size=32,
-        batch_wait_timeout_s=0.0,
-        batch_size_fn=lambda items: sum(len(item) for item in items),
-        max_concurrent_batches=MAX_CONCURRENT_BATCHES,
-    )
-    async def _serve_batch(self, pieces: list[np.ndarray]) -> list[_Ran]:
-        return await self._run_engine(pieces)
 
     async def _run_engine(self, pieces: list) -> list[_Ran]:
         """One engine batch from several pieces; its outputs split back per piece."""

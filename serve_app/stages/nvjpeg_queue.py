@@ -15,31 +15,26 @@ from serve_app.config import AppConfig
 from serve_app.stages.batching import DynamicBatcher
 from serve_app.stages.decode_pool import decode_limits
 from serve_app.stages.stall_watch import StallWatch
-
-# JPEGs per nvJPEG call. One decode thread takes everything queued (calls from every ingress
-# replica) up to this: torchvision decodes under a process-wide lock anyway, and on an H200
-# a call of 64 costs 0.12 ms of CPU an image where calls of 8 from four threads cost 0.40
-# (bench/gpu_decode_bench.py). A call's JPEGs go in pieces of this size, each scored once
-# decoded, so a large call's engine batches start while the rest decodes.
-DECODE_BATCH = 64
+from serve_app.tuning import DECODE_BATCH
 
 
 class NvjpegQueue:
     """`await decode(jpegs)`: at most DECODE_BATCH JPEGs' crops (engines.gpu_decode.Crops),
     decoded with other calls' pieces in one nvJPEG call on the decode thread."""
 
-    def __init__(self, config: AppConfig, spec: PreprocessSpec) -> None:
+    def __init__(self, config: AppConfig, spec: PreprocessSpec, chunk: int | None = None) -> None:
+        """`chunk`: the most JPEGs in one nvJPEG call (None: a piece's all; benchmarks only)."""
         from engines.gpu_decode import GpuJpegDecoder  # GPU machines only
 
         hybrid = None
-        if config.gpu_hybrid_decode:
+        if config.experimental.gpu_hybrid_decode:
             from engines.nvjpeg import HybridJpegDecoder
 
             hybrid = HybridJpegDecoder()
         self._decoder = GpuJpegDecoder(
             spec,
             decode_limits(config),
-            chunk=config.nvjpeg_chunk or None,
+            chunk=chunk,
             hybrid_decode=hybrid,
             hybrid_min_jpegs=DECODE_BATCH,
         )

@@ -3,11 +3,10 @@ fair decode pool (serve_app/stages/decode_pool.py); a bad image fails alone. Wit
 JPEGs nvJPEG can take (engines/jpeg.py reads their headers, on this thread: microseconds) go
 to nvJPEG (engines/gpu_decode.py); only the others go to the pool. The inference stage
 decodes them (its engine batches start as each piece is decoded), or with
-`preprocess_decodes_on_gpu` this stage does, in a Preprocess deployment of its own, and the
-crops go on to Inference on the GPU (serve_app/transport/device_crops.py). Plain code: the
-Preprocess
-deployment hosts it, or the Inference deployment or the ingress where the topology fuses
-them.
+`experimental.preprocess_decodes_on_gpu` this stage does, in a Preprocess deployment of its
+own, and the crops go on to Inference on the GPU (serve_app/transport/device_crops.py). Plain
+code: the Preprocess deployment hosts it, or the Inference deployment or the ingress where
+the topology fuses them.
 """
 
 from __future__ import annotations
@@ -25,11 +24,13 @@ from serve_app.config import AppConfig
 from serve_app.core.messages import NO_OWNERS, Batch, Failure, StageTiming, fail_jobs
 from serve_app.errors import Code, code_for, message_for
 from serve_app.stages.decode_pool import DecodePool, decode_limits
-from serve_app.stages.nvjpeg_queue import DECODE_BATCH, NvjpegQueue
+from serve_app.stages.nvjpeg_queue import NvjpegQueue
+from serve_app.tuning import DECODE_BATCH, DEFAULT_PREPROCESS_THREADS, MAX_REQUEST_PIXELS
 
 
 def load_model(config: AppConfig) -> ModelRef:
-    return resolve(config.model_repository, config.model, config.model_version)
+    versions = config.default_model_versions  # the first pinned, else the highest
+    return resolve(config.model_repository, config.model, versions[0] if versions else "")
 
 
 def _owners(pairs: list[tuple[int, int]]) -> np.ndarray:
@@ -37,21 +38,23 @@ def _owners(pairs: list[tuple[int, int]]) -> np.ndarray:
 
 
 class PreprocessStage:
-    """`decodes`: the JPEGs left for nvJPEG are decoded here too (preprocess_decodes_on_gpu);
-    `await warm()` before the first call."""
+    """`decodes`: the JPEGs left for nvJPEG are decoded here too
+    (experimental.preprocess_decodes_on_gpu); `threads`: the CPU decode threads. `await warm()`
+    before the first call."""
 
-    def __init__(self, config: AppConfig, spec: PreprocessSpec, decodes: bool = False) -> None:
+    def __init__(
+        self,
+        config: AppConfig,
+        spec: PreprocessSpec,
+        decodes: bool = False,
+        threads: int = DEFAULT_PREPROCESS_THREADS,
+    ) -> None:
         self._spec = spec
         self._nvjpeg = NvjpegQueue(config, spec) if decodes else None
         self._limits = decode_limits(config)
         self._gpu = config.decode == "gpu"
-        self._max_request_pixels = config.limits.max_request_pixels
-        self._pool = DecodePool(
-            config.preprocess_threads,
-            self._cost,
-            self._decode,
-            config.limits.max_request_pixels,
-        )
+        self._max_request_pixels = MAX_REQUEST_PIXELS
+        self._pool = DecodePool(threads, self._cost, self._decode, MAX_REQUEST_PIXELS)
 
     async def warm(self) -> None:
         if self._nvjpeg is not None:

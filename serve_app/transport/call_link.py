@@ -40,6 +40,8 @@ import ssl
 import struct
 from collections.abc import Awaitable, Callable, Sequence
 
+from serve_app.tuning import CONNECT_TIMEOUT_S, HELLO_TIMEOUT_S
+
 logger = logging.getLogger(__name__)
 
 HELLO = b"RSL2"
@@ -48,10 +50,6 @@ NONCE_BYTES = MAC_BYTES = 32
 CALL = struct.Struct("<QIQ")  # id, images, length
 ANSWER = struct.Struct("<QQ")  # id, length
 MAX_FRAME_BYTES = 1 << 30  # calls carry whole batches: tens of MB where requests are large
-HELLO_TIMEOUT_S = 10.0  # for a caller's handshake, on the replica
-# A caller's connect and handshake: a replica alive but cut off answers nothing, and its
-# calls should go elsewhere soon (the kernel would retry the connect for minutes).
-CONNECT_TIMEOUT_S = 2.0
 # A peer whose host vanished or was cut off sends no reset: without these, calls waiting on
 # its connection would wait until its address left the registry. Idle for KEEPALIVE_IDLE_S
 # (a call waiting for its answer), the kernel probes and drops the connection after

@@ -1,5 +1,5 @@
 """Images handed to a stage replica on the same node through shared memory, not sent in the
-stage call (`shared_images_bytes`, with `stage_calls: port`).
+stage call (with `stage_ports`, on one node: up to SHARED_IMAGES_BYTES, serve_app/tuning.py).
 
 A call over a stage port (serve_app/transport/stage_port.py) carries its batch pickled. Where the
 batch holds the requests' encoded images (the call into the group that decodes them), those
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serve_app.core.messages import Batch
+from serve_app.tuning import MAPPINGS_KEPT, MIN_SEGMENT_BYTES, SWEEP_S
 from serve_app.wire.request_images import buffers
 
 logger = logging.getLogger(__name__)
@@ -40,9 +41,6 @@ logger = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
 PREFIX = "raystream-images-"
 _NAME = re.compile(rf"^{PREFIX}(\d+)-[0-9a-f]+$")
-MIN_SEGMENT_BYTES = 32 << 20  # most calls fit one; bigger ones get a segment their size
-MAPPINGS_KEPT = 64  # segments a callee keeps mapped (the callers' in-flight calls)
-SWEEP_S = 1.0  # how often a callee drops the mappings of segments their writer removed
 
 
 class SharedImagesMissing(Exception):

@@ -1,4 +1,4 @@
-"""Stage calls over a TCP port of each stage replica's own (`stage_calls: port`), beside
+"""Stage calls over a TCP port of each stage replica's own (`stage_ports`), beside
 Serve's handles.
 
 A Serve handle call costs its two processes about twice a plain Ray actor call, and about
@@ -6,8 +6,8 @@ A Serve handle call costs its two processes about twice a plain Ray actor call, 
 costs several times a call over raystream's own framed link
 (serve_app/transport/call_link.py; `python bench/call_cost.py` measures all four). The
 stages' calls carry whole micro-batches, but at small batches (one-image requests, low
-load) those costs are a large part of an image's CPU and latency. So, with `stage_calls:
-port`, each stage replica also serves its `run` on a port of its own (StagePort) and
+load) those costs are a large part of an image's CPU and latency. So, with `stage_ports`,
+each stage replica also serves its `run` on a port of its own (StagePort) and
 reports the address with its models in the registry (serve_app/models/registry.py); a
 caller (PortCalls) sends each batch (as bytes of serve_app/transport/codec.py, never a
 pickle) to the least busy replica of the next deployment among those that report holding
@@ -54,12 +54,9 @@ from serve_app.transport.call_link import (
 )
 from serve_app.transport.load_board import LoadBoard, LoadSlot
 from serve_app.transport.shared_images import ImageReader, ImageWriter, SharedImagesMissing
+from serve_app.tuning import ADDRESS_POLL_S, CLOSE_GRACE_S, FIRST_BACKOFF_S, MAX_BACKOFF_S
 
 logger = logging.getLogger(__name__)
-
-ADDRESS_POLL_S = 1.0  # how often a caller reads the replicas' addresses
-CLOSE_GRACE_S = 30.0
-FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0  # an address that failed, before it is tried again
 
 
 class StagePort:
@@ -177,7 +174,7 @@ class PortCalls:
     @property
     def transport(self) -> str:
         shared = ", images through shared memory on this node" if self._images is not None else ""
-        return f"over the {self._deployment} replicas' own ports (stage_calls: port){shared}"
+        return f"over the {self._deployment} replicas' own ports (stage_ports){shared}"
 
     async def run(self, batch: Batch) -> Any:
         if self._refresh_task is None and self._following:

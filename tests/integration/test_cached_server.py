@@ -13,7 +13,7 @@ from clients.client import Client
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from raystream.v1 import classifier_pb2 as pb
-from serve_app.protocol import v1
+from serve_app import tuning
 
 from conftest import start_app
 
@@ -30,7 +30,7 @@ def cached_server(ray_cluster, model_repository):
         model_repository,
         topology="chained",
         engine={"kind": "onnxruntime"},
-        cache={"enabled": True, "max_bytes": 1 << 20},
+        cache={"max_bytes": 1 << 20},
     )
     yield f"127.0.0.1:{port}"
     serve.delete(APP)
@@ -72,7 +72,7 @@ async def test_repeated_images_are_answered_from_the_cache(
         # Streamed: the images stay spans of the message (serve_app/wire/request_images.py), and
         # the junk image, never cached, goes to the stages again picked out of them
         requests = [pb.ClassifyRequest(request_id=str(i), images=images, **asked) for i in range(3)]
-        assert requests[0].ByteSize() >= v1.SPLIT_MIN_BYTES
+        assert requests[0].ByteSize() >= tuning.SPLIT_MIN_BYTES
         again = sorted([r async for r in client.stream(requests)], key=lambda r: r.request_id)
         # The same photos with other outputs asked: other keys, so the engine runs them
         labels_only = await client.classify_once(pb.ClassifyRequest(images=images, top_k=3))

@@ -304,9 +304,9 @@ def test_a_load_past_its_timeout_says_the_server_goes_on(listener) -> None:
 
 def test_a_load_the_server_gives_up_on_says_why() -> None:
     """`models load` with no --timeout, against a server that answers the load with its own
-    DEADLINE_EXCEEDED (its limits.load_timeout_s passed): one line with the server's
+    DEADLINE_EXCEEDED (its load timeout passed): one line with the server's
     reason, not a gRPC error."""
-    reason = "['m/2'] not ready on every replica in limits.load_timeout_s (600 s)"
+    reason = "['m/2'] not ready on every replica in the load timeout (600 s)"
 
     def give_up(request, context):
         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, reason)

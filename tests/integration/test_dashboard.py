@@ -79,9 +79,9 @@ def dashboard_server(ray_cluster, model_repository):
         APP,
         model_repository,
         topology="chained",
-        stage_calls="port",  # the stage ports' own gauge (Serve's count only handle calls)
+        stage_ports=(9100, 9163),  # the stage ports' own gauge (Serve's count only handle calls)
         engine={"kind": "onnxruntime"},
-        cache={"enabled": True, "max_bytes": 1 << 20},
+        cache={"max_bytes": 1 << 20},
         limits={"max_images_per_request": 4},
     )
     yield f"127.0.0.1:{port}"

@@ -37,7 +37,7 @@ def fault_server(request, ray_cluster, model_repository):
         "faults",
         model_repository,
         topology=topology,
-        stage_calls=calls,
+        stage_ports=(9100, 9163) if calls == "port" else None,
         engine={"kind": "onnxruntime"},
     )
     yield f"127.0.0.1:{port}", victim

@@ -12,6 +12,7 @@ import time
 
 import grpc
 import pytest
+from support import CONTROL_METADATA, model_control
 
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
@@ -61,7 +62,7 @@ class Load:
 
 
 async def test_version_migration_loses_no_request_and_never_switches(
-    ray_cluster, two_versions, model, photos
+    ray_cluster, two_versions, model, photos, tmp_path
 ) -> None:
     from ray import serve
 
@@ -74,7 +75,7 @@ async def test_version_migration_loses_no_request_and_never_switches(
         topology="chained",
         engine={"kind": "onnxruntime"},
         models=[{"name": MODEL, "versions": [old]}],
-        model_control={"enabled": True},
+        model_control=model_control(tmp_path),
     )
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -96,14 +97,16 @@ async def test_version_migration_loses_no_request_and_never_switches(
                     parameters={
                         "config": oip.ModelRepositoryParameter(string_param=json.dumps(policy))
                     },
-                )
+                ),
+                metadata=CONTROL_METADATA,
             )
             ready = await repository.ModelReady(oip.ModelReadyRequest(name=MODEL, version=new))
             assert ready.ready
             tasks.append(asyncio.create_task(pinned_new.oip(repository, photo, new)))
             await asyncio.sleep(2)
             await repository.RepositoryModelUnload(
-                oip.RepositoryModelUnloadRequest(model_name=f"{MODEL}/{old}")
+                oip.RepositoryModelUnloadRequest(model_name=f"{MODEL}/{old}"),
+                metadata=CONTROL_METADATA,
             )
             await asyncio.sleep(2)
             for load in (default, pinned_old, pinned_new):
@@ -130,60 +133,6 @@ async def test_version_migration_loses_no_request_and_never_switches(
     assert states == {(old, "UNAVAILABLE"), (new, "READY")}
 
 
-async def test_requests_held_by_serve_batch_when_their_version_unloads_get_unavailable(
-    ray_cluster, two_versions, model, photos
-) -> None:
-    """`batcher: serve` (Ray Serve's @serve.batch, which needs a real replica) holds
-    requests that an unload cannot cancel: past the drain they fail UNAVAILABLE (send
-    again), as the default batcher's do, and never INTERNAL."""
-    from ray import serve
-
-    from serve_app.config import AppConfig
-    from serve_app.ingress.deployment import Ingress
-
-    new = model.spec.version
-    old = str(int(new) - 1)
-    config = AppConfig(
-        model_repository=two_versions,
-        port=0,
-        topology="direct",
-        engine={"kind": "echo", "options": {"delay_ms": 800}},
-        models=[{"name": MODEL, "versions": [old, new]}],
-        limits={"drain_timeout_s": 0},
-        model_control={"enabled": True},
-    )
-    serve.start(proxy_location="Disabled")
-    handle = serve.run(
-        Ingress.options(user_config={"batcher": "serve"}).bind(config.model_dump(mode="json")),
-        name="unload-serve-batch",
-        route_prefix=None,
-    )
-    try:
-        port = await handle.port.remote()
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            v1 = pb_grpc.ImageClassifierStub(channel)
-            repository = oip_grpc.GRPCInferenceServiceStub(channel)
-            requests = [
-                pb.ClassifyRequest(
-                    request_id=str(i), images=[photos["chelsea"]], model=f"{MODEL}/{old}"
-                )
-                for i in range(12)
-            ]
-            stream = v1.Classify(iter(requests))
-            await asyncio.sleep(0.3)  # two engine batches run (800 ms each), the rest wait
-            await repository.RepositoryModelUnload(
-                oip.RepositoryModelUnloadRequest(model_name=f"{MODEL}/{old}")
-            )
-            answers = [answer async for answer in stream]
-        assert sorted(int(a.request_id) for a in answers) == list(range(12))
-        codes = sorted(a.error.code for a in answers)
-        assert set(codes) <= {0, grpc.StatusCode.UNAVAILABLE.value[0]}, [
-            a.error.message for a in answers
-        ]
-    finally:
-        serve.delete("unload-serve-batch")
-
-
 # -- model control: its own token, bounded inputs, loads that read the files and free memory
 
 
@@ -204,7 +153,7 @@ def controlled(ray_cluster, model, tmp_path_factory):
         root,
         topology="chained",
         engine={"kind": "onnxruntime"},
-        model_control={"enabled": True, "token_file": str(token_file)},
+        model_control={"token_file": str(token_file)},
     )
     yield f"127.0.0.1:{port}", "control-secret", version_dir, handle
     serve.delete("controlled")

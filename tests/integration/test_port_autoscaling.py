@@ -45,7 +45,7 @@ def port_server(ray_cluster, model_repository):
                 "port": port,
                 "model_repository": str(model_repository),
                 "topology": "chained",
-                "stage_calls": "port",
+                "stage_ports": [9100, 9163],
                 "engine": {"kind": "echo", "options": {"delay_ms": 50}},
                 "max_calls_in_flight": 4,
             },

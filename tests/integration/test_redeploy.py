@@ -32,7 +32,7 @@ def _deploy(
     *,
     max_batch_size: int,
     log_sample_rate: float,
-    max_concurrent_batches: int = 1,
+    max_queued_images: int = 4096,
 ) -> None:
     deploy_app(
         {
@@ -52,7 +52,7 @@ def _deploy(
                     "name": "Inference",
                     "user_config": {
                         "max_batch_size": max_batch_size,
-                        "max_concurrent_batches": max_concurrent_batches,
+                        "max_queued_images": max_queued_images,
                     },
                 },
             ],
@@ -132,14 +132,14 @@ async def test_user_config_change_applies_to_the_running_replica(
         port,
         max_batch_size=2,
         log_sample_rate=0.0,
-        max_concurrent_batches=2,
+        max_queued_images=2048,
     )
     for _ in range(100):
         if (await inference.batching.remote())["max_batch_size"] == 2:
             break
         await asyncio.sleep(0.1)
     batching = await inference.batching.remote()
-    assert batching["max_batch_size"] == 2 and batching["max_concurrent_batches"] == 2
+    assert batching["max_batch_size"] == 2 and batching["max_queued_images"] == 2048
     assert await inference.replica_id.remote() == replica  # reconfigured, not restarted
     answered = sum(map(len, traffic.answers.values()))
     await traffic.answered(answered + 5)

@@ -11,8 +11,9 @@ import pytest
 from support import until
 
 from serve_app.models import registry_actor
-from serve_app.models.registry import FRESH_S, ModelRegistry
+from serve_app.models.registry import ModelRegistry
 from serve_app.models.registry_actor import ActorStore, actor_name
+from serve_app.tuning import FRESH_S
 
 pytestmark = pytest.mark.slow
 

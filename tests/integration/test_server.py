@@ -365,7 +365,7 @@ async def test_a_client_that_disconnects_leaves_no_work_behind(server, photos, r
 
 
 async def test_stage_calls_travel_as_configured(server, photos, request) -> None:
-    """`stage_calls: port`: every stage replica answers calls over its own port once the
+    """With `stage_ports`: every stage replica answers calls over its own port once the
     callers read the addresses (within a second or two), and the ingress hands the images
     to Preprocess through shared memory; by handle, none does."""
     from ray import serve
@@ -505,6 +505,7 @@ async def test_direct_topology_takes_the_batching_user_config(
 
     from serve_app.config import AppConfig
     from serve_app.ingress.deployment import Ingress
+    from serve_app.pipeline.route import Wiring
 
     config = AppConfig(
         model_repository=model_repository, port=0, topology="direct", engine={"kind": "onnxruntime"}
@@ -512,7 +513,9 @@ async def test_direct_topology_takes_the_batching_user_config(
     serve.start(proxy_location="Disabled")
     ingress = Ingress.options(user_config={"max_batch_size": 4})
     handle = serve.run(
-        ingress.bind(config.model_dump(mode="json")), name="direct-batching", route_prefix=None
+        ingress.bind(config.model_dump(mode="json"), Wiring.of(config)),
+        name="direct-batching",
+        route_prefix=None,
     )
     try:
         assert (await handle.batching.remote())["max_batch_size"] == 4
@@ -525,24 +528,26 @@ async def test_direct_topology_takes_the_batching_user_config(
         serve.delete("direct-batching")
 
 
-@pytest.mark.parametrize("batcher", ["dynamic", "serve"])
-async def test_either_batcher_fills_its_batches(ray_cluster, model_repository, photos, batcher):
-    """`batcher: serve` (Ray Serve's @serve.batch, in a real replica: it needs one) and the
-    default both fill engine batches from requests that wait together: eight requests of 8
-    images with a wait for company run as two batches of 32, not eight of 8."""
+async def test_the_batcher_fills_its_batches(ray_cluster, model_repository, photos):
+    """In a real replica, the batcher fills engine batches from requests that wait
+    together: eight requests of 8 images with a wait for company run as two batches of 32,
+    not eight of 8."""
     from ray import serve
 
     from serve_app.config import AppConfig
     from serve_app.ingress.deployment import Ingress
+    from serve_app.pipeline.route import Wiring
 
     config = AppConfig(
         model_repository=model_repository, port=0, topology="direct", engine={"kind": "echo"}
     )
-    batching = {"batcher": batcher, "max_batch_size": 32, "batch_wait_timeout_s": 0.5}
-    name = f"fill-{batcher}"
+    batching = {"max_batch_size": 32, "batch_wait_timeout_s": 0.5}
+    name = "fill"
     serve.start(proxy_location="Disabled")
     handle = serve.run(
-        Ingress.options(user_config=batching).bind(config.model_dump(mode="json")),
+        Ingress.options(user_config=batching).bind(
+            config.model_dump(mode="json"), Wiring.of(config)
+        ),
         name=name,
         route_prefix=None,
     )

@@ -75,14 +75,10 @@ def traced_server(ray_cluster, model_repository, receiver):
         APP,
         model_repository,
         topology="chained",
-        stage_calls="port",
+        stage_ports=(9100, 9163),
         engine={"kind": "onnxruntime"},
-        tracing={
-            "enabled": True,
-            "sample_ratio": 0.0,
-            "otlp_endpoint": receiver.endpoint,
-            "export_delay_s": 0.2,
-        },
+        # spans leave a replica every TRACE_EXPORT_DELAY_S (5 s): the tests wait up to 60
+        tracing={"sample_ratio": 0.0, "otlp_endpoint": receiver.endpoint},
     )
     yield f"127.0.0.1:{port}"
     serve.delete(APP)

@@ -4,10 +4,12 @@ It needs protobuf < 7, so it runs from its own venv, which `make test` builds (.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
+from support import CONTROL_TOKEN
 
 from conftest import ROOT
 
@@ -33,6 +35,7 @@ def test_tritonclient_infers_streams_loads_and_unloads(server, model, photos, tm
         capture_output=True,
         text=True,
         timeout=120,
+        env={**os.environ, "CONTROL_TOKEN": CONTROL_TOKEN},  # loads and unloads need it
     )
     assert run.returncode == 0, run.stderr
     seen = json.loads(run.stdout)

@@ -9,6 +9,7 @@ Prints one JSON object with what it saw.
 """
 
 import json
+import os
 import queue
 import sys
 from pathlib import Path
@@ -75,16 +76,17 @@ def main() -> None:
     }
     index = client.get_model_repository_index().models
     seen["index"] = sorted([m.name, m.version, m.state] for m in index)
+    control = {"authorization": f"Bearer {os.environ['CONTROL_TOKEN']}"}  # model control's
     policy = {"version_policy": {"specific": {"versions": [int(v) for v in versions]}}}
-    client.load_model(MODEL, config=json.dumps(policy))
+    client.load_model(MODEL, config=json.dumps(policy), headers=control)
     seen["ready_after_load"] = [client.is_model_ready(MODEL, v) for v in versions]
-    client.unload_model(MODEL)
+    client.unload_model(MODEL, headers=control)
     seen["ready_after_unload"] = client.is_model_ready(MODEL)
     try:
         client.infer(MODEL, inputs_for(images[:1]))
     except InferenceServerException as exc:
         seen["unloaded_status"] = exc.status()
-    client.load_model(MODEL)  # its version policy from the server's config
+    client.load_model(MODEL, headers=control)  # its version policy from the server's config
     seen["ready_after_reload"] = client.is_model_ready(MODEL)
     seen["index_ready"] = sorted(
         [m.name, m.version, m.state]

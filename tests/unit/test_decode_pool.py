@@ -11,7 +11,8 @@ import pytest
 from support import until
 
 from engines.images import InvalidImage
-from serve_app.stages.decode_pool import HEAVY_PIXELS, DecodePool
+from serve_app.stages.decode_pool import DecodePool
+from serve_app.tuning import HEAVY_PIXELS
 
 HEAVY = HEAVY_PIXELS + 1
 

@@ -134,7 +134,7 @@ def test_config_errors_name_the_field() -> None:
     with pytest.raises(ValueError, match="Extra inputs"):
         AppConfig.model_validate({"prot": 9000})
     with pytest.raises(ValueError, match="gpu_hybrid_decode needs decode: gpu"):
-        AppConfig.model_validate({"gpu_hybrid_decode": True})
+        AppConfig.model_validate({"experimental": {"gpu_hybrid_decode": True}})
 
 
 def test_serve_stops_when_the_ingress_cannot_bind_its_port() -> None:
@@ -327,11 +327,19 @@ def test_autoscaled_stage_deployments_count_their_port_calls(tmp_path: Path) -> 
             assert built.policy.policy_function == policies[d["name"]]["policy_function"]
 
 
+PORTS = [9100, 9163]
+
+
 @pytest.mark.parametrize(
     ("settings", "expected"),
     [
         ({"topology": "direct"}, []),
+        ({"topology": "direct", "stage_ports": PORTS}, []),
         ({"topology": "fused"}, ["Ingress -> Inference: Serve handle"]),
+        (
+            {"topology": "fused", "stage_ports": PORTS},
+            ["Ingress -> Inference: stage port, else Serve handle"],
+        ),
         (
             {"topology": "chained"},
             [
@@ -341,7 +349,19 @@ def test_autoscaled_stage_deployments_count_their_port_calls(tmp_path: Path) -> 
             ],
         ),
         (
-            {"topology": [["preprocess", "inference"], ["postprocess"]], "stage_calls": "port"},
+            {"topology": "chained", "stage_ports": PORTS},
+            [
+                "Ingress -> Preprocess: stage port, else Serve handle",
+                "Preprocess -> Inference: stage port, else Serve handle",
+                "Inference -> Postprocess: stage port, else Serve handle",
+            ],
+        ),
+        (
+            {"topology": [["preprocess", "inference"], ["postprocess"]]},
+            ["Ingress -> Inference: Serve handle", "Inference -> Postprocess: Serve handle"],
+        ),
+        (
+            {"topology": [["preprocess", "inference"], ["postprocess"]], "stage_ports": PORTS},
             [
                 "Ingress -> Inference: stage port, else Serve handle",
                 "Inference -> Postprocess: stage port, else Serve handle",
@@ -352,7 +372,111 @@ def test_autoscaled_stage_deployments_count_their_port_calls(tmp_path: Path) -> 
 def test_the_route_of_each_topology(settings, expected) -> None:
     """One description of who calls whom and how (serve_app/pipeline/route.py), which the
     ready line and ModelInfo.route print."""
-    from serve_app.config import AppConfig
     from serve_app.pipeline.route import route
 
-    assert [str(hop) for hop in route(AppConfig.model_validate(settings))] == expected
+    assert [str(hop) for hop in route(AppConfig.model_validate(settings)).hops] == expected
+
+
+@pytest.mark.parametrize(
+    ("topology", "ports", "ingress_holds", "next_of"),
+    [
+        ("direct", None, [], {}),
+        ("fused", None, ["Inference"], {}),
+        ("chained", None, ["Preprocess", "Inference"], {"Inference": "Postprocess"}),
+        (
+            "chained",
+            PORTS,
+            ["Preprocess", "Inference"],
+            {"Preprocess": "Inference", "Inference": "Postprocess"},
+        ),
+    ],
+)
+def test_build_app_binds_the_deployments_its_route_names(
+    model_repository, topology, ports, ingress_holds, next_of
+) -> None:
+    """build_app binds what the route says, and hands every deployment the same Wiring: the
+    ingress holds the handles up to Inference, each stage deployment the one it calls."""
+    from serve_app.app import build_app
+    from serve_app.pipeline.route import Wiring
+
+    app = build_app(
+        {"model_repository": str(model_repository), "topology": topology, "stage_ports": ports}
+    )
+    ingress = app._bound_deployment
+    config, wiring, *handles = ingress.init_args
+    assert isinstance(wiring, Wiring) and "stage_token" not in config and "instance" not in config
+    assert wiring.route.hops == Wiring.of(AppConfig.model_validate(config)).route.hops
+    assert [h._bound_deployment.name for h in handles] == ingress_holds
+    bound = {}
+    for handle in handles:  # walk the stage deployments, each to the one it calls
+        while handle is not None:
+            deployment = handle._bound_deployment
+            _, given, _, handle = deployment.init_args
+            assert given is wiring  # one route for every deployment
+            bound[deployment.name] = None if handle is None else handle._bound_deployment.name
+    assert {k: v for k, v in bound.items() if v} == next_of
+
+
+# Settings that people set: every field of the application args, nested models' fields
+# counted one by one, with the Inference deployment's user_config; not the experimental block.
+USER_FIELD_LIMIT = 30
+# The micro-batcher's knobs leave with its adaptive dispatcher (serve_app/core/dispatch.py).
+LEAVING = {"requests_per_call", "max_calls_in_flight", "max_call_wait_s", "spread_min_images"}
+LEAVING |= {"max_images_per_call"}
+
+
+def _fields(model: type, prefix: str = "") -> list[str]:
+    from pydantic import BaseModel
+
+    from serve_app.config import ModelEntry
+
+    names = []
+    for name, field in model.model_fields.items():
+        nested = field.annotation
+        if isinstance(nested, type) and issubclass(nested, BaseModel) and nested is not ModelEntry:
+            names += _fields(nested, f"{prefix}{name}.")
+        else:
+            names.append(f"{prefix}{name}")
+    return names
+
+
+def test_a_person_can_read_every_setting() -> None:
+    """At most 30 settings, each with its line in docs/configuration.md."""
+    from serve_app.config import BatchingConfig
+
+    fields = [f for f in _fields(AppConfig) if not f.startswith("experimental.")]
+    fields = [f for f in fields if f not in LEAVING] + _fields(BatchingConfig)
+    assert len(fields) <= USER_FIELD_LIMIT, fields
+    documented = (ROOT / "docs" / "configuration.md").read_text()
+    missing = [f for f in fields if f"| `{f}` |" not in documented]
+    assert not missing, f"settings without their line in docs/configuration.md: {missing}"
+
+
+@pytest.mark.parametrize(
+    ("args", "hint"),
+    [
+        ({"stage_calls": "port"}, "stage_ports"),
+        ({"model_version": "2"}, "models"),
+        ({"cache": {"enabled": True}}, "cache.max_bytes"),
+        ({"tracing": {"enabled": True}}, "tracing.otlp_endpoint"),
+        ({"model_control": {"enabled": True}}, "model_control.token_file"),
+        ({"shared_images_bytes": 1 << 20}, "shared memory"),
+        ({"preprocess_threads": 4}, "num_cpus"),
+        ({"limits": {"drain_timeout_s": 5}}, "graceful_shutdown_timeout_s"),
+        ({"preprocess_decodes_on_gpu": True}, "experimental"),
+        ({"instance": "x"}, "build_app"),
+    ],
+)
+def test_a_setting_that_went_says_what_to_write_instead(args, hint) -> None:
+    ((section, value),) = args.items()
+    name = next(iter(value)) if isinstance(value, dict) else section
+    with pytest.raises(ValueError, match=f"'{name}' is no longer a setting") as refused:
+        AppConfig.model_validate(args)
+    assert hint in str(refused.value)
+
+
+def test_batching_settings_that_went_say_so() -> None:
+    from serve_app.config import BatchingConfig
+
+    with pytest.raises(ValueError, match="'batcher' is no longer a setting"):
+        BatchingConfig.model_validate({"batcher": "serve"})

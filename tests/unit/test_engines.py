@@ -88,7 +88,8 @@ def test_onnx_runtime_splits_the_cores_between_its_two_batches(model_repository)
     import os
 
     from serve_app.config import AppConfig
-    from serve_app.stages.inference import MAX_CONCURRENT_BATCHES, engine_options
+    from serve_app.stages.inference import engine_options
+    from serve_app.tuning import MAX_CONCURRENT_BATCHES
 
     half = max(1, (os.cpu_count() or 1) // MAX_CONCURRENT_BATCHES)
     config = AppConfig(model_repository=model_repository, engine={"kind": "onnxruntime"})

@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 from support import batch_of, top_classes
 
+from serve_app import tuning
 from serve_app.config import STAGES, AppConfig
 from serve_app.pipeline.topology import StageGroup
 from serve_app.stages.preprocess import PreprocessStage
@@ -218,7 +219,7 @@ async def test_a_gpu_decode_replica_decodes_the_jpegs_of_waiting_calls_together(
     thread; calls that arrive while it decodes are decoded together in its next nvJPEG call,
     in pieces of at most DECODE_BATCH, each scored once decoded; each request keeps its own
     answers in its own order, the junk bytes failing alone."""
-    from serve_app.stages.nvjpeg_queue import DECODE_BATCH
+    from serve_app.tuning import DECODE_BATCH
 
     decoder = stand_in_nvjpeg
     config = AppConfig(model_repository=model_repository, decode="gpu")
@@ -275,19 +276,19 @@ async def test_a_failing_decoder_fails_only_the_requests_it_was_decoding(
 async def test_a_preprocess_deployment_of_its_own_decodes_and_hands_the_crops_on(
     model_repository, photos, monkeypatch, stand_in_nvjpeg
 ) -> None:
-    """preprocess_decodes_on_gpu (a stand-in decoder on the CPU):
+    """experimental.preprocess_decodes_on_gpu (a stand-in decoder on the CPU):
     the Preprocess replica decodes (warmed before it is ready), in pieces of at most
     DECODE_BATCH, and passes one tensor of crops on (GPU-decoded and host-decoded rows
     together); the Inference replica decodes nothing. Each request is answered in its own
     order, the junk failing alone; nvJPEG itself failing fails only its piece's jobs."""
-    from serve_app.stages.nvjpeg_queue import DECODE_BATCH
+    from serve_app.tuning import DECODE_BATCH
 
     decoder = stand_in_nvjpeg
     config = AppConfig(
         model_repository=model_repository,
         decode="gpu",
-        preprocess_decodes_on_gpu=True,
-        stage_calls="port",
+        experimental={"preprocess_decodes_on_gpu": True},
+        stage_ports=(9100, 9163),
     )
     preprocess = await StageGroup.create(config, ("preprocess",))
     rest = await StageGroup.create(config, ("inference", "postprocess"))
@@ -316,15 +317,16 @@ async def test_a_preprocess_deployment_of_its_own_decodes_and_hands_the_crops_on
 def test_preprocess_decodes_on_gpu_only_in_a_preprocess_deployment_of_its_own(
     model_repository,
 ) -> None:
-    right = {"decode": "gpu", "preprocess_decodes_on_gpu": True, "stage_calls": "port"}
+    apart = {"preprocess_decodes_on_gpu": True}
+    right = {"decode": "gpu", "experimental": apart, "stage_ports": (9100, 9163)}
     AppConfig(model_repository=model_repository, **right)
     for wrong in (
         {"decode": "cpu"},
         {"topology": "fused"},
         {"topology": "direct"},
         {"topology": [["preprocess", "inference"], ["postprocess"]]},
-        {"gpu_hybrid_decode": True},
-        {"stage_calls": "handle"},
+        {"experimental": {**apart, "gpu_hybrid_decode": True}},
+        {"stage_ports": None},
     ):
         with pytest.raises(ValueError, match="preprocess_decodes_on_gpu needs"):
             AppConfig(
@@ -338,7 +340,7 @@ async def test_a_decoder_warm_up_given_up_leaves_nothing_running(
     model_repository, monkeypatch, stand_in_nvjpeg, caplog, preprocess_apart
 ) -> None:
     """nvJPEG's warm-up hangs (a stand-in on the CPU): the load is given up at
-    limits.load_timeout_s, and the stage it was building leaves no batcher worker pending
+    LOAD_TIMEOUT_S, and the stage it was building leaves no batcher worker pending
     (garbage-collected later as "Task was destroyed but it is pending") and waits for no
     stuck decode thread."""
     import gc
@@ -347,17 +349,17 @@ async def test_a_decoder_warm_up_given_up_leaves_nothing_running(
 
     release = threading.Event()
     monkeypatch.setattr(gpu_decode.GpuJpegDecoder, "warmup", lambda self: release.wait(30))
-    settings = {"preprocess_decodes_on_gpu": True, "stage_calls": "port"}
+    monkeypatch.setattr(tuning, "LOAD_TIMEOUT_S", 0.5)
+    settings = {"experimental": {"preprocess_decodes_on_gpu": True}, "stage_ports": (9100, 9163)}
     config = AppConfig(
         model_repository=model_repository,
         decode="gpu",
-        limits={"load_timeout_s": 0.5},
         **(settings if preprocess_apart else {}),
     )
     stages = ("preprocess",) if preprocess_apart else STAGES
     before = asyncio.all_tasks()  # other tests' stages may share this event loop
     try:
-        with pytest.raises(RuntimeError, match=r"ran past limits\.load_timeout_s"):
+        with pytest.raises(RuntimeError, match=r"ran past its load timeout"):
             await asyncio.wait_for(StageGroup.create(config, stages), 10)
         await asyncio.sleep(0.1)  # the cancelled workers end
         gc.collect()

@@ -13,6 +13,7 @@ import pytest
 
 from clients.loadgen import model_input
 from raystream.v1 import classifier_pb2 as pb
+from serve_app import tuning
 from serve_app.config import STAGES, AppConfig
 from serve_app.core.messages import Batch, Job
 from serve_app.models.registry import MemoryStore, ModelRegistry
@@ -61,15 +62,15 @@ async def test_a_short_deadline_fails_only_its_own_request(slow_group, photos, i
 
 
 async def test_an_engine_call_past_the_stall_timeout_fails_the_health_check(
-    model_repository,
+    model_repository, monkeypatch
 ) -> None:
     """Serve replaces a replica whose health check fails: it fails while an engine call has
-    run past limits.engine_stall_timeout_s, and passes again once no call is stuck."""
+    run past ENGINE_STALL_TIMEOUT_S, and passes again once no call is stuck."""
     config = AppConfig(
         model_repository=model_repository,
         engine={"kind": "echo", "options": {"delay_ms": 1500}},
-        limits={"engine_stall_timeout_s": 0.3},
     )
+    monkeypatch.setattr(tuning, "ENGINE_STALL_TIMEOUT_S", 0.3)
     group = await StageGroup.create(config, STAGES)
     group.check_health()  # idle
     call = asyncio.ensure_future(group.run(Batch(jobs=(Job(id="a", pixels=_pixels(1)),))))
@@ -84,15 +85,15 @@ async def test_an_engine_call_past_the_stall_timeout_fails_the_health_check(
 
 
 async def test_a_version_unloading_behind_a_stuck_engine_call_still_fails_the_health_check(
-    model_repository,
+    model_repository, monkeypatch
 ) -> None:
     """An unload waits for the batches its engine runs: while one is stuck, the version is
     gone from the routed models but its engine is still watched."""
     config = AppConfig(
         model_repository=model_repository,
         engine={"kind": "echo", "options": {"delay_ms": 1500}},
-        limits={"engine_stall_timeout_s": 0.3},
     )
+    monkeypatch.setattr(tuning, "ENGINE_STALL_TIMEOUT_S", 0.3)
     registry = ModelRegistry(MemoryStore(), "test")
     group = await StageGroup.create(config, STAGES, registry, "Inference", "r1")
     (key,) = group.models

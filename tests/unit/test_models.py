@@ -13,6 +13,7 @@ import pytest
 
 from engines.repository import ModelNotFoundError, resolve, select_versions
 from raystream.oip import grpc_predict_v2_pb2 as oip
+from serve_app import tuning
 from serve_app.config import STAGES, AppConfig, BatchingConfig
 from serve_app.core.messages import Answer, Batch, Job
 from serve_app.core.serving import ServingCore
@@ -50,8 +51,9 @@ def test_version_policies(two_versions, versions) -> None:
         AppConfig(models=[{"name": MODEL, "latest": 1, "versions": ["1"]}])
     with pytest.raises(ValueError, match="not in models"):
         AppConfig(models=[{"name": "other"}])
-    with pytest.raises(ValueError, match="only without models"):
-        AppConfig(model_version="1", models=[{"name": MODEL}])
+    pinned = AppConfig(models=[{"name": MODEL, "versions": [old]}])  # what model_version was
+    assert pinned.default_model_versions == (old,)
+    assert AppConfig().default_model_versions == ()  # the highest
 
 
 def test_a_version_directory_copied_by_hand_is_the_version_it_is_named(
@@ -448,7 +450,7 @@ async def test_a_replica_loading_a_version_still_reports_what_it_holds(
 
 
 async def test_a_load_past_its_timeout_is_withdrawn(two_versions, versions) -> None:
-    """A load not ready everywhere in limits.load_timeout_s fails and is no longer wanted: the
+    """A load not ready everywhere in its load timeout fails and is no longer wanted: the
     replicas that had not loaded it never serve it later beside the versions it was to
     replace (its unload step never ran)."""
     from serve_app.errors import DeadlineExceeded
@@ -545,27 +547,27 @@ class _StuckWarmUps:
         monkeypatch.setattr(inference, "_warm_engine", warm)
 
 
-def _echo_config(repository, versions: list[str], load_timeout_s: float) -> AppConfig:
+def _echo_config(repository, versions: list[str], load_timeout_s: float, monkeypatch) -> AppConfig:
+    monkeypatch.setattr(tuning, "LOAD_TIMEOUT_S", load_timeout_s)
     return AppConfig(
         model_repository=repository,
         models=[{"name": MODEL, "versions": versions}],
         engine={"kind": "echo"},
-        limits={"load_timeout_s": load_timeout_s},
     )
 
 
 async def test_a_replica_whose_model_load_is_stuck_fails_to_start(
     two_versions, versions, monkeypatch
 ) -> None:
-    """A load past limits.load_timeout_s is stuck for good (its thread cannot be stopped):
+    """A load past LOAD_TIMEOUT_S is stuck for good (its thread cannot be stopped):
     the replica's constructor fails, and Serve starts another in its place. It loads
     nothing more meanwhile (the next version would wait out the limit too)."""
     old, new = versions
     stuck = _StuckWarmUps(0, monkeypatch)
-    config = _echo_config(two_versions, [old, new], load_timeout_s=0.5)
+    config = _echo_config(two_versions, [old, new], 0.5, monkeypatch)
     try:
         with pytest.raises(
-            RuntimeError, match=rf"loading model {MODEL}/{old} ran past limits.load_timeout_s"
+            RuntimeError, match=rf"loading model {MODEL}/{old} ran past its load timeout"
         ):
             await asyncio.wait_for(StageGroup.create(config, STAGES), 10)
         assert stuck.started == 1
@@ -589,9 +591,9 @@ async def test_a_stuck_load_is_given_up_even_where_its_cleanup_waits_for_the_stu
             await asyncio.to_thread(release.wait, 30)
 
     monkeypatch.setattr(topology.ModelStages, "create", staticmethod(stuck_load))
-    config = _echo_config(two_versions, [versions[0]], load_timeout_s=0.5)
+    config = _echo_config(two_versions, [versions[0]], 0.5, monkeypatch)
     try:
-        with pytest.raises(RuntimeError, match=r"ran past limits.load_timeout_s \(0.5 s\)"):
+        with pytest.raises(RuntimeError, match=r"ran past its load timeout \(0.5 s\)"):
             await asyncio.wait_for(StageGroup.create(config, STAGES), 10)
     finally:
         release.set()
@@ -607,7 +609,7 @@ async def test_a_load_stuck_at_run_time_fails_and_is_withdrawn_and_the_replica_r
     old, new = versions
     stuck = _StuckWarmUps(1, monkeypatch)
     registry = ModelRegistry(MemoryStore(), "test")
-    config = _echo_config(two_versions, [old], load_timeout_s=0.5)
+    config = _echo_config(two_versions, [old], 0.5, monkeypatch)
     group = await StageGroup.create(config, STAGES, registry, "Inference", "r1")
     try:
         group.check_health()
@@ -617,7 +619,7 @@ async def test_a_load_stuck_at_run_time_fails_and_is_withdrawn_and_the_replica_r
                 break
             await asyncio.sleep(0.05)
         failure = registry.failures(["Inference"])[f"{MODEL}/{new}"]
-        assert "ran past limits.load_timeout_s" in failure
+        assert "ran past its load timeout" in failure
         assert list(registry.desired()) == [f"{MODEL}/{old}"]
         with pytest.raises(RuntimeError, match=rf"loading model {MODEL}/{new} ran past"):
             group.check_health()

@@ -3,7 +3,8 @@ store's own clock, changes counted for the watches; no Ray."""
 
 from __future__ import annotations
 
-from serve_app.models.registry import FRESH_S, MemoryStore, ModelRegistry
+from serve_app.models.registry import MemoryStore, ModelRegistry
+from serve_app.tuning import FRESH_S
 
 
 class Clock:

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raystream.v1 import classifier_pb2 as pb
+from serve_app import tuning
 from serve_app.core.messages import Batch, Job
 from serve_app.protocol import v1
 from serve_app.protocol.v1 import IMAGES_FIELD
@@ -153,7 +154,7 @@ async def test_the_stream_keeps_large_requests_images_in_place(photos) -> None:
 
     reads = [read async for read in v1._parsed(messages())]
     big, small, broken = reads
-    assert len(big.raw) >= v1.SPLIT_MIN_BYTES and isinstance(big.images, ImageSpans)
+    assert len(big.raw) >= tuning.SPLIT_MIN_BYTES and isinstance(big.images, ImageSpans)
     assert big.images == tuple(photos.values()) and big.request.request_id == "big"
     assert small.images == (b"tiny",) and small.request.request_id == "small"
     assert broken.request is None

@@ -60,7 +60,7 @@ def _core(
     config = AppConfig(
         model_repository=model_repository,
         max_calls_in_flight=1,
-        cache={"enabled": enabled, "max_bytes": max_bytes},
+        cache={"max_bytes": max_bytes if enabled else 0},
         **config_args,
     )
     stages = Stages(group)

@@ -9,7 +9,8 @@ import pytest
 
 from serve_app.config import MESSAGE_LIMIT_ENV
 from serve_app.core.messages import Batch, Job
-from serve_app.pipeline.topology import BY_VALUE_MAX_BYTES, StageChain, StageHandle
+from serve_app.pipeline.topology import StageChain, StageHandle
+from serve_app.tuning import BY_VALUE_MAX_BYTES
 
 
 class FakeResponse:

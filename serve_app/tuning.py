@@ -1,0 +1,102 @@
+"""raystream's tunable constants, in one place: values a person might change after measuring,
+but that no deployment should need to set (docs/configuration.md lists the settings).
+
+Each says why it is what it is. Protocol facts (frame layouts, field numbers, wire bounds)
+stay in the modules that speak the protocol.
+"""
+
+from __future__ import annotations
+
+# -- requests and limits (serve_app/core, serve_app/stages) ------------------------------------
+
+# Longer request ids are refused (INVALID_ARGUMENT): an id is echoed in every answer and log line.
+MAX_REQUEST_ID_CHARS = 256
+# Pixels one request may make the decoder decode (after JPEG DCT scaling): images past it
+# fail alone (INVALID_ARGUMENT). Bounds the CPU one request can ask for (5 x 40 MP images).
+MAX_REQUEST_PIXELS = 200_000_000
+# Decoding ~4 megapixels costs about 0.1 s of one core (a 16-bit PNG: 30 ns a pixel): such
+# images use all but one decode thread at most (serve_app/stages/decode_pool.py).
+HEAVY_PIXELS = 4_000_000
+# Decode threads where the replica's num_cpus cannot be read (topology direct: the ingress
+# decodes itself); PIL releases the GIL while it decodes.
+DEFAULT_PREPROCESS_THREADS = 2
+# Calls sent again after losing a stage replica (serving.py, _call): once covers a replica
+# or node lost mid-call; a request that itself kills replicas (say, by memory) costs at most two.
+STAGE_RETRIES = 1
+
+# -- shutdown and health -----------------------------------------------------------------------
+
+# Serve's default graceful_shutdown_timeout_s: what a replica may take to stop where its
+# deployment's own setting cannot be read.
+GRACEFUL_SHUTDOWN_S = 20.0
+# What a stopping replica keeps of its graceful_shutdown_timeout_s for closing after its
+# drain (stage links, registry report): Serve kills the process at the end of it.
+DRAIN_MARGIN_S = 10.0
+# An engine or nvJPEG call running longer is stuck (a hung GPU or runtime): the replica's
+# health check fails and Serve replaces it.
+ENGINE_STALL_TIMEOUT_S = 120.0
+# A model version not loaded and warmed (graphs captured, first batch run) in this long is
+# stuck: a replica loading it at start fails to start, one loading it at run time fails its
+# health check, and the ingress withdraws a run-time load not ready everywhere by then.
+LOAD_TIMEOUT_S = 600.0
+
+# -- the model registry (serve_app/models) -----------------------------------------------------
+
+POLL_S = 0.25  # how often replicas look at the desired state and report (a local read)
+FRESH_S = 5.0  # a report not renewed for this long, on the store's clock, is of a replica gone
+# How long a starting replica waits for the first one to write the initial state; past it
+# (that replica died in between), it writes the state itself.
+START_WAIT_S = 10.0
+HEARTBEAT_S = 1.0  # how often a replica renews a report that has not changed
+WATCH_S = 30.0  # a watch returns after this long even if nothing changed
+EXPIRE_S = 0.5  # how often the registry actor drops the reports not renewed
+IDLE_EXIT_S = 120.0  # a registry actor no replica has used for this long exits
+
+# -- stage calls (serve_app/pipeline, serve_app/transport) -------------------------------------
+
+# Serve's gRPC transport carries a call by value only where its message limit is at least
+# this (a call's answers can pass the 4 MiB default), and only batches up to
+# BY_VALUE_MAX_BYTES: larger ones ran slower by value, one thread carrying each
+# (serve_app/pipeline/topology.py, StageHandle).
+BY_VALUE_MIN_LIMIT = 256 << 20
+BY_VALUE_MAX_BYTES = 4 << 20
+# Shared memory each ingress replica may use for images handed to stage replicas on its
+# node with stage_ports (serve_app/transport/shared_images.py): calls past it carry them.
+SHARED_IMAGES_BYTES = 256 << 20
+MIN_SEGMENT_BYTES = 32 << 20  # most calls fit one segment; bigger ones get one their size
+MAPPINGS_KEPT = 64  # segments a callee keeps mapped (the callers' in-flight calls)
+SWEEP_S = 1.0  # how often a callee drops the mappings of segments their writer removed
+ADDRESS_POLL_S = 1.0  # how often a caller reads the stage replicas' addresses
+CLOSE_GRACE_S = 30.0  # how long a stage link's connections get to finish their calls on close
+FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0  # an address that failed, before it is tried again
+HELLO_TIMEOUT_S = 10.0  # for a caller's handshake, on the replica
+# A caller's connect and handshake: a replica alive but cut off answers nothing, and its
+# calls should go elsewhere soon (the kernel would retry the connect for minutes).
+CONNECT_TIMEOUT_S = 2.0
+
+# -- batching and decode on the GPU (serve_app/stages) -----------------------------------------
+
+# The most engine batches at once (an engine's `batches_at_once`): GPU engines hold this many
+# slots (engines/cuda_graphs.py), and ONNX Runtime splits the cores between them.
+MAX_CONCURRENT_BATCHES = 2
+# JPEGs per nvJPEG call. One decode thread takes everything queued up to this: torchvision
+# decodes under a process-wide lock anyway, and on an H200 a call of 64 costs 0.12 ms of CPU
+# an image where calls of 8 from four threads cost 0.40 (bench/gpu_decode_bench.py).
+DECODE_BATCH = 64
+
+# -- the ingress (serve_app/protocol, serve_app/observability) ---------------------------------
+
+# Below this, parsing a message whole and copying its images out costs less than walking its
+# fields in Python (on a 2-core CPU machine, a request of 8 images of 5 KB: 3.9 against
+# 10 us; of 86 KB: 38 against 16).
+SPLIT_MIN_BYTES = 64 << 10
+TRACE_EXPORT_DELAY_S = 5.0  # finished spans wait this long in a replica, then go in one batch
+
+
+def drain_timeout_s(graceful_shutdown_timeout_s: float | None) -> float:
+    """How long a stopping replica gives what it has read to be answered: its deployment's
+    graceful_shutdown_timeout_s less DRAIN_MARGIN_S (at least half of it)."""
+    graceful = (
+        GRACEFUL_SHUTDOWN_S if graceful_shutdown_timeout_s is None else graceful_shutdown_timeout_s
+    )
+    return max(graceful - DRAIN_MARGIN_S, graceful / 2)
