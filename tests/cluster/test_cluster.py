@@ -3,7 +3,7 @@ started with `ray start` on this machine, each declaring its own custom resource
 authentication on; deploy/serve_config.cluster.yaml deployed with `serve deploy` (the ingress
 on the head, Preprocess and Postprocess on node a, Inference on node b); a plain grpcio client
 (TLS, the token) whose requests cross the nodes, the calls between stages over the replicas'
-own ports (stage_calls: port). Then a load step against autoscaled Inference, the Serve
+own ports (stage_ports). Then a load step against autoscaled Inference, the Serve
 controller killed mid-stream, and two worker nodes lost mid-stream.
 
 Every node is at 127.0.0.1 in a network namespace that has only loopback; `make test-cluster`
@@ -170,7 +170,7 @@ async def test_stage_calls_cross_the_nodes_over_the_replicas_ports(
     cluster, deployed, photos
 ) -> None:
     """The cluster config's calls between stages go over the replicas' own ports
-    (stage_calls: port): the ingress (head) to Preprocess (a), Preprocess to Inference (b),
+    (stage_ports): the ingress (head) to Preprocess (a), Preprocess to Inference (b),
     Inference to Postprocess (a), once the callers have read the addresses (a second)."""
     stages = ("Preprocess", "Inference", "Postprocess")
     counts = [0] * len(stages)

@@ -204,7 +204,7 @@ async def test_a_call_without_the_token_is_refused_before_it_is_read() -> None:
 def test_reports_carry_the_address_and_only_live_ones_count() -> None:
     registry = ModelRegistry(MemoryStore(), "app")
     registry.report("Inference", "r1", ["m/1"], address="10.0.0.5:4242")
-    registry.report("Inference", "r2", ["m/1"])  # serves no port (stage_calls: handle)
+    registry.report("Inference", "r2", ["m/1"])  # serves no port (no stage_ports)
     assert list(registry.ports("Inference")) == ["10.0.0.5:4242"]
     assert registry.ports("Postprocess") == {}
 
