@@ -480,3 +480,16 @@ def test_batching_settings_that_went_say_so() -> None:
 
     with pytest.raises(ValueError, match="'batcher' is no longer a setting"):
         BatchingConfig.model_validate({"batcher": "serve"})
+
+
+def test_the_drain_follows_the_deployments_graceful_shutdown() -> None:
+    """The ingress drains for its deployment's graceful_shutdown_timeout_s less a margin
+    for closing (Serve kills the replica at its end), at least half of it; outside a
+    replica, for Serve's default less the margin."""
+    from serve_app.pipeline.topology import drain_timeout_s
+    from serve_app.tuning import DRAIN_MARGIN_S, GRACEFUL_SHUTDOWN_S
+    from serve_app.tuning import drain_timeout_s as drain_for
+
+    assert drain_for(60.0) == 60.0 - DRAIN_MARGIN_S
+    assert drain_for(8.0) == 4.0
+    assert drain_for(None) == drain_timeout_s() == GRACEFUL_SHUTDOWN_S - DRAIN_MARGIN_S
