@@ -1,5 +1,6 @@
 """The wire under the stage ports (serve_app/transport/stage_port.py): calls between raystream's own
-processes as length-prefixed frames over one asyncio TCP connection per caller and replica,
+processes as length-prefixed frames over one asyncio connection per caller and replica (TCP,
+or the replica's Unix socket where the caller is on its node: serve_app/transport/unix_sockets.py),
 many calls in flight on it at once, answered in any order.
 
 Why not gRPC: both ends are raystream, the messages are bytes already
@@ -19,9 +20,10 @@ Both ends prove that they hold the application's stage token, and neither sends 
 listener at a stale address learns a MAC over nonces it will never see again, and a caller
 that replays one meets a fresh nonce. The caller sends nothing after its nonce to a replica
 that did not prove itself; the replica reads no call before the caller has. With Ray's TLS
-on (`RAY_USE_TLS`), the connection is TLS with Ray's certificates, verified both ways
-against Ray's CA (`tls_contexts`). `images` is what the call carries (the replica's load:
-load_board.py). The answer is whatever the handler returned.
+on (`RAY_USE_TLS`), a TCP connection is TLS with Ray's certificates, verified both ways
+against Ray's CA (`tls_contexts`); a Unix socket's is not (its bytes never leave the
+kernel). `images` is what the call carries (the replica's load: load_board.py). The answer
+is whatever the handler returned.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class LinkServer:
 
     def __init__(self, handler: Handler, token: bytes, tls: ssl.SSLContext | None = None) -> None:
         self._handler, self._token, self._tls = handler, token, tls
-        self._server: asyncio.Server | None = None
+        self._servers: list[asyncio.Server] = []
         self._connections: set[asyncio.StreamWriter] = set()
         self._calls: set[asyncio.Task] = set()
 
@@ -85,13 +87,21 @@ class LinkServer:
         tls = {"ssl": self._tls, "ssl_handshake_timeout": HELLO_TIMEOUT_S} if self._tls else {}
         for port in ports:
             try:
-                self._server = await asyncio.start_server(self._serve, host, port, **tls)
+                server = await asyncio.start_server(self._serve, host, port, **tls)
             except OSError as exc:
                 if exc.errno != errno.EADDRINUSE:
                     raise
                 continue
-            return self._server.sockets[0].getsockname()[1]
+            self._servers.append(server)
+            return server.sockets[0].getsockname()[1]
         raise OSError(errno.EADDRINUSE, f"no free port in {ports[0]}-{ports[-1]} on {host}")
+
+    async def start_unix(self, path: str) -> None:
+        """Listens on a Unix socket at `path` too, mode 0600, without TLS: its bytes never
+        leave the node's kernel (serve_app/transport/unix_sockets.py)."""
+        server = await asyncio.start_unix_server(self._serve, path)
+        self._servers.append(server)
+        os.chmod(path, 0o600)  # its directory is the user's alone (0700) meanwhile
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._connections.add(writer)
@@ -144,9 +154,10 @@ class LinkServer:
 
     async def stop(self, grace_s: float) -> None:
         """No new connections; calls running get `grace_s` to answer, then are cancelled."""
-        if self._server is None:
+        if not self._servers:
             return
-        self._server.close()
+        for server in self._servers:
+            server.close()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
         # calls that arrive meanwhile are served too (callers learn of the stop a poll later)
@@ -157,7 +168,9 @@ class LinkServer:
         for writer in self._connections:  # each connection's reader ends, and its handler
             writer.close()
         with contextlib.suppress(asyncio.TimeoutError):  # 3.12: waits for those handlers
-            await asyncio.wait_for(self._server.wait_closed(), 1.0)
+            await asyncio.wait_for(
+                asyncio.gather(*(server.wait_closed() for server in self._servers)), 1.0
+            )
 
 
 def deployment_key(token: str, deployment: str) -> bytes:
@@ -208,10 +221,18 @@ async def _answer(running: Awaitable[bytes], call_id: int, writer: asyncio.Strea
 
 class Link:
     """Calls to one LinkServer at `address` ("host:port") on one connection, made at the
-    first call; `call` raises LinkDown where the connection fails before the answer."""
+    first call; `call` raises LinkDown where the connection fails before the answer.
 
-    def __init__(self, address: str, token: bytes, tls: ssl.SSLContext | None = None) -> None:
+    `unix`: the server's Unix socket, for a server on this node: the connection goes there
+    (no TLS: it never leaves the kernel), or to `address` where the socket cannot be reached
+    (stale, removed, in another container's /tmp), as every later connection of the link
+    does."""
+
+    def __init__(
+        self, address: str, token: bytes, tls: ssl.SSLContext | None = None, unix: str = ""
+    ) -> None:
         self.address, self._token, self._tls = address, token, tls
+        self.unix = unix  # cleared where the socket failed
         self._ids = itertools.count()
         self._answers: dict[int, asyncio.Future[bytes]] = {}
         self._writer: asyncio.StreamWriter | None = None
@@ -253,12 +274,27 @@ class Link:
             def deadline() -> float:
                 return max(0.0, end - loop.time())
 
-            try:  # a host gone answers nothing: the kernel would retry for minutes
-                reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(host, int(port), ssl=self._tls), deadline()
-                )
-            except (OSError, asyncio.TimeoutError) as exc:
-                raise LinkDown(f"{unreachable}: {exc!r}") from exc
+            reader = writer = None
+            if self.unix:
+                try:
+                    reader, writer = await asyncio.wait_for(
+                        asyncio.open_unix_connection(self.unix), deadline()
+                    )
+                except (OSError, asyncio.TimeoutError) as exc:
+                    logger.warning(
+                        "cannot reach the stage socket %s (%r); calls go to %s by TCP",
+                        self.unix,
+                        exc,
+                        self.address,
+                    )
+                    self.unix = ""
+            if writer is None:
+                try:  # a host gone answers nothing: the kernel would retry for minutes
+                    reader, writer = await asyncio.wait_for(
+                        asyncio.open_connection(host, int(port), ssl=self._tls), deadline()
+                    )
+                except (OSError, asyncio.TimeoutError) as exc:
+                    raise LinkDown(f"{unreachable}: {exc!r}") from exc
             try:
                 accepted = await asyncio.wait_for(self._handshake(reader, writer), deadline())
             except BaseException as exc:  # cancelled too: the socket is not left open
@@ -326,11 +362,11 @@ class Link:
 
 
 def _watch_peer(writer: asyncio.StreamWriter) -> None:
-    """TCP keepalive and a user timeout on the connection (see KEEPALIVE_IDLE_S); options
+    """TCP keepalive and a user timeout on a TCP connection (see KEEPALIVE_IDLE_S); options
     the platform lacks are skipped."""
     sock = writer.get_extra_info("socket")
-    if sock is None:
-        return
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return  # a Unix socket's peer cannot vanish unseen: its kernel is this one
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     options = [
         ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
