@@ -13,10 +13,16 @@ import pytest
 from test_stage_port import TOKEN, Fallback, Stage, _batch
 
 from serve_app.models.registry import MemoryStore, ModelRegistry
-from serve_app.transport import unix_sockets
+from serve_app.transport import call_link, unix_sockets
 from serve_app.transport.stage_port import PortCalls, StagePort
 
 NODE, OTHER_NODE = "a" * 56, "b" * 56  # Ray node ids
+
+
+@pytest.fixture(autouse=True)
+def any_send_buffer(monkeypatch) -> None:
+    """The socket is used whatever send buffer this host grants (net.core.wmem_max)."""
+    monkeypatch.setattr(call_link, "UNIX_MIN_SEND_BUFFER_BYTES", 0)
 
 
 async def _port(registry: ModelRegistry, name: str, unix: str | None = None) -> StagePort:
@@ -71,6 +77,21 @@ async def test_a_socket_that_cannot_be_reached_sends_the_call_over_tcp(tmp_path,
     assert _family(calls, port.address) == socket.AF_INET
     assert calls._links[port.address].unix == ""  # tried once, not at every connect
     assert port.calls == 2 and fallback.batches == []
+    await calls.close()
+    await port.stop(0)
+
+
+async def test_where_the_kernel_grants_too_small_a_send_buffer_calls_go_over_tcp(
+    monkeypatch,
+) -> None:
+    """A socket that sends a large call in small parts costs more than TCP: not used."""
+    monkeypatch.setattr(call_link, "UNIX_MIN_SEND_BUFFER_BYTES", 1 << 40)
+    registry = ModelRegistry(MemoryStore(), "app")
+    port = await _port(registry, "r1")
+    calls = PortCalls(registry, "Inference", Fallback(), TOKEN, node_id=NODE)
+    calls.update(*calls._read_ports())
+    assert await calls.run(_batch()) == ["r1", "a"]
+    assert _family(calls, port.address) == socket.AF_INET and port.calls == 1
     await calls.close()
     await port.stop(0)
 
