@@ -22,11 +22,13 @@ carry everything else (what is served, model lifecycle). A call goes by handle w
 the caller knows no address yet, and again by handle when the port fails before answering
 (the replica stopped: the address is dropped until its next report). The stages have no
 side effects, so a batch run twice is harmless. Calls over the port are not Serve requests:
-Serve's `max_ongoing_requests` does not bound them (the ingress' micro-batcher bounds its
-calls in flight, serve_app/core/dispatch.py), and Serve's autoscaler sees them only through
-raystream's policy (serve_app/pipeline/autoscaling.py), to which every replica reports the
-port's calls in its own stages. The port binds the node's address that Ray uses; both ends of
-a connection prove that they hold the application's stage token (a random secret that
+the port itself refuses a call while its replica holds the deployment's
+`max_ongoing_requests` calls (StageBusy; the caller tries another replica, else the handle),
+and Serve's autoscaler sees them only through raystream's policy
+(serve_app/pipeline/autoscaling.py), to which every replica reports the port's calls in its
+own stages. The port binds the node's address that Ray uses, and a Unix socket that callers
+on the replica's node (by Ray node id) use instead (serve_app/transport/unix_sockets.py);
+both ends of a connection prove that they hold the application's stage token (a random secret that
 build_app gives every replica) without sending it, and the replica reads no call before
 (serve_app/transport/call_link.py).
 """
