@@ -75,6 +75,7 @@ class Ingress:
                 self._config.stage_token,
                 ray.util.get_node_ip_address(),
                 self._config.shared_images_bytes,
+                node_id=ray.get_runtime_context().get_node_id(),
             )
             logger.info("stage calls from the ingress: %s", chain.transport)
             logger.info("the route: %s", "; ".join(map(str, route(self._config))))

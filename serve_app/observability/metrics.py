@@ -27,7 +27,8 @@ Ray prefixes every name with `ray_`). Named and labelled after Triton's `nv_infe
                                                `deployment` tag names the caller):
                                                transport port or handle; outcome ok,
                                                error (the stage's answer), link_down (the
-                                               port failed: the call went elsewhere)
+                                               port failed: the call went elsewhere), busy
+                                               (the port refused it at its bound)
 
 Serve adds the deployment, replica and application tags. A stage's mean time per request:
     rate(raystream_stage_duration_ms_total{stage="queue"}[1m])

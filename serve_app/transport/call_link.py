@@ -1,5 +1,6 @@
 """The wire under the stage ports (serve_app/transport/stage_port.py): calls between raystream's own
-processes as length-prefixed frames over one asyncio TCP connection per caller and replica,
+processes as length-prefixed frames over one asyncio connection per caller and replica (TCP,
+or the replica's Unix socket where the caller is on its node: serve_app/transport/unix_sockets.py),
 many calls in flight on it at once, answered in any order.
 
 Why not gRPC: both ends are raystream, the messages are bytes already
@@ -19,9 +20,10 @@ Both ends prove that they hold the application's stage token, and neither sends 
 listener at a stale address learns a MAC over nonces it will never see again, and a caller
 that replays one meets a fresh nonce. The caller sends nothing after its nonce to a replica
 that did not prove itself; the replica reads no call before the caller has. With Ray's TLS
-on (`RAY_USE_TLS`), the connection is TLS with Ray's certificates, verified both ways
-against Ray's CA (`tls_contexts`). `images` is what the call carries (the replica's load:
-load_board.py). The answer is whatever the handler returned.
+on (`RAY_USE_TLS`), a TCP connection is TLS with Ray's certificates, verified both ways
+against Ray's CA (`tls_contexts`); a Unix socket's is not (its bytes never leave the
+kernel). `images` is what the call carries (the replica's load: load_board.py). The answer
+is whatever the handler returned.
 """
 
 from __future__ import annotations
@@ -60,6 +62,15 @@ CONNECT_TIMEOUT_S = 2.0
 # Either way the calls fail with LinkDown within about 2 s and go to another replica.
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 1, 1, 1
 USER_TIMEOUT_S = 2
+# A Unix socket sends no more than its send buffer at once (wmem_default, 208 KiB on Linux),
+# and each part costs both event loops a wakeup. Calls of 8 crops (1.2 MB), one at a time,
+# on a 2-core CPU machine (bench/stage_link_local.py), per call against TCP to the node's
+# address: with that buffer 1.4-5x the latency and 1.7-2.9x the CPU; with 2 MiB granted
+# about even; with 8 MiB 0.55-0.8x the CPU. So the caller asks for UNIX_SEND_BUFFER_BYTES
+# and keeps the socket only where the kernel grants at least UNIX_MIN_SEND_BUFFER_BYTES
+# (Linux grants twice what is asked, up to twice net.core.wmem_max); else it calls by TCP.
+UNIX_SEND_BUFFER_BYTES = 4 << 20
+UNIX_MIN_SEND_BUFFER_BYTES = 2 << 20
 
 Parts = Sequence[bytes | memoryview]  # a message's bytes, in pieces sent one after another
 Handler = Callable[[bytes, int], Awaitable[bytes | Parts]]
@@ -75,7 +86,7 @@ class LinkServer:
 
     def __init__(self, handler: Handler, token: bytes, tls: ssl.SSLContext | None = None) -> None:
         self._handler, self._token, self._tls = handler, token, tls
-        self._server: asyncio.Server | None = None
+        self._servers: list[asyncio.Server] = []
         self._connections: set[asyncio.StreamWriter] = set()
         self._calls: set[asyncio.Task] = set()
 
@@ -85,13 +96,21 @@ class LinkServer:
         tls = {"ssl": self._tls, "ssl_handshake_timeout": HELLO_TIMEOUT_S} if self._tls else {}
         for port in ports:
             try:
-                self._server = await asyncio.start_server(self._serve, host, port, **tls)
+                server = await asyncio.start_server(self._serve, host, port, **tls)
             except OSError as exc:
                 if exc.errno != errno.EADDRINUSE:
                     raise
                 continue
-            return self._server.sockets[0].getsockname()[1]
+            self._servers.append(server)
+            return server.sockets[0].getsockname()[1]
         raise OSError(errno.EADDRINUSE, f"no free port in {ports[0]}-{ports[-1]} on {host}")
+
+    async def start_unix(self, path: str) -> None:
+        """Listens on a Unix socket at `path` too, mode 0600, without TLS: its bytes never
+        leave the node's kernel (serve_app/transport/unix_sockets.py)."""
+        server = await asyncio.start_unix_server(self._serve, path)
+        self._servers.append(server)
+        os.chmod(path, 0o600)  # its directory is the user's alone (0700) meanwhile
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._connections.add(writer)
@@ -144,9 +163,10 @@ class LinkServer:
 
     async def stop(self, grace_s: float) -> None:
         """No new connections; calls running get `grace_s` to answer, then are cancelled."""
-        if self._server is None:
+        if not self._servers:
             return
-        self._server.close()
+        for server in self._servers:
+            server.close()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
         # calls that arrive meanwhile are served too (callers learn of the stop a poll later)
@@ -157,7 +177,9 @@ class LinkServer:
         for writer in self._connections:  # each connection's reader ends, and its handler
             writer.close()
         with contextlib.suppress(asyncio.TimeoutError):  # 3.12: waits for those handlers
-            await asyncio.wait_for(self._server.wait_closed(), 1.0)
+            await asyncio.wait_for(
+                asyncio.gather(*(server.wait_closed() for server in self._servers)), 1.0
+            )
 
 
 def deployment_key(token: str, deployment: str) -> bytes:
@@ -208,10 +230,18 @@ async def _answer(running: Awaitable[bytes], call_id: int, writer: asyncio.Strea
 
 class Link:
     """Calls to one LinkServer at `address` ("host:port") on one connection, made at the
-    first call; `call` raises LinkDown where the connection fails before the answer."""
+    first call; `call` raises LinkDown where the connection fails before the answer.
 
-    def __init__(self, address: str, token: bytes, tls: ssl.SSLContext | None = None) -> None:
+    `unix`: the server's Unix socket, for a server on this node: the connection goes there
+    (no TLS: it never leaves the kernel), or to `address` where the socket cannot be reached
+    (stale, removed, in another container's /tmp), as every later connection of the link
+    does."""
+
+    def __init__(
+        self, address: str, token: bytes, tls: ssl.SSLContext | None = None, unix: str = ""
+    ) -> None:
         self.address, self._token, self._tls = address, token, tls
+        self.unix = unix  # cleared where the socket failed
         self._ids = itertools.count()
         self._answers: dict[int, asyncio.Future[bytes]] = {}
         self._writer: asyncio.StreamWriter | None = None
@@ -253,12 +283,35 @@ class Link:
             def deadline() -> float:
                 return max(0.0, end - loop.time())
 
-            try:  # a host gone answers nothing: the kernel would retry for minutes
-                reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(host, int(port), ssl=self._tls), deadline()
-                )
-            except (OSError, asyncio.TimeoutError) as exc:
-                raise LinkDown(f"{unreachable}: {exc!r}") from exc
+            reader = writer = None
+            if self.unix:
+                try:
+                    reader, writer = await asyncio.wait_for(
+                        asyncio.open_unix_connection(self.unix), deadline()
+                    )
+                    granted = _grow_send_buffer(writer)
+                    if granted < UNIX_MIN_SEND_BUFFER_BYTES:
+                        writer.close()
+                        reader = writer = None
+                        raise OSError(
+                            f"a send buffer of {granted} bytes, under "
+                            f"{UNIX_MIN_SEND_BUFFER_BYTES} (raise net.core.wmem_max)"
+                        )
+                except (OSError, asyncio.TimeoutError) as exc:
+                    logger.warning(
+                        "cannot reach the stage socket %s (%r); calls go to %s by TCP",
+                        self.unix,
+                        exc,
+                        self.address,
+                    )
+                    self.unix = ""
+            if writer is None:
+                try:  # a host gone answers nothing: the kernel would retry for minutes
+                    reader, writer = await asyncio.wait_for(
+                        asyncio.open_connection(host, int(port), ssl=self._tls), deadline()
+                    )
+                except (OSError, asyncio.TimeoutError) as exc:
+                    raise LinkDown(f"{unreachable}: {exc!r}") from exc
             try:
                 accepted = await asyncio.wait_for(self._handshake(reader, writer), deadline())
             except BaseException as exc:  # cancelled too: the socket is not left open
@@ -326,10 +379,13 @@ class Link:
 
 
 def _watch_peer(writer: asyncio.StreamWriter) -> None:
-    """TCP keepalive and a user timeout on the connection (see KEEPALIVE_IDLE_S); options
-    the platform lacks are skipped."""
+    """TCP keepalive and a user timeout on a TCP connection (see KEEPALIVE_IDLE_S; options
+    the platform lacks are skipped); a Unix socket's send buffer grown instead."""
     sock = writer.get_extra_info("socket")
     if sock is None:
+        return
+    if sock.family == socket.AF_UNIX:  # its peer cannot vanish unseen: its kernel is this one
+        _grow_send_buffer(writer)
         return
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     options = [
@@ -341,3 +397,10 @@ def _watch_peer(writer: asyncio.StreamWriter) -> None:
     for name, value in options:
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def _grow_send_buffer(writer: asyncio.StreamWriter) -> int:
+    """Asks for UNIX_SEND_BUFFER_BYTES of send buffer; the bytes granted."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SEND_BUFFER_BYTES)
+    return sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
