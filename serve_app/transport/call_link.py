@@ -15,6 +15,7 @@ grpc.aio unary method (docs/performance.md).
     caller:    HMAC-SHA256(token, "caller" + both nonces)   ->   b"\\x01" (or closed)
     a call:    u64 id + u32 images + u64 length + the request bytes
     an answer: u64 id + u64 length + the answer bytes
+    a beat:    u64 2**64-1 + u64 0   (every BEAT_S while the replica holds calls)
 
 Both ends prove that they hold the application's stage token, and neither sends it: a
 listener at a stale address learns a MAC over nonces it will never see again, and a caller
@@ -71,6 +72,14 @@ USER_TIMEOUT_S = 2
 # (Linux grants twice what is asked, up to twice net.core.wmem_max); else it calls by TCP.
 UNIX_SEND_BUFFER_BYTES = 4 << 20
 UNIX_MIN_SEND_BUFFER_BYTES = 2 << 20
+# A replica whose process hangs (stopped, or its loop stuck) while its host lives: the
+# kernel acknowledges the calls and answers the probes, so neither of the above fires. The
+# replica beats every BEAT_S on a connection while it holds calls; a caller that has heard
+# nothing for SILENT_S while a call waits drops the connection (LinkDown). Checked every
+# BEAT_S / 2: a hung replica costs a call at most SILENT_S + BEAT_S / 2 = 1.75 s.
+BEAT_S = 0.5
+SILENT_S = 1.5
+BEAT_ID = (1 << 64) - 1  # never a call's id: ids count from 0 on each connection
 
 Parts = Sequence[bytes | memoryview]  # a message's bytes, in pieces sent one after another
 Handler = Callable[[bytes, int], Awaitable[bytes | Parts]]
@@ -116,9 +125,11 @@ class LinkServer:
         self._connections.add(writer)
         _watch_peer(writer)
         calls: set[asyncio.Task] = set()
+        beating: asyncio.Task | None = None
         try:
             if not await self._accepted(reader, writer):
                 return
+            beating = asyncio.ensure_future(_beat(writer, calls))
             while True:
                 try:
                     call_id, images, length = CALL.unpack(await reader.readexactly(CALL.size))
@@ -137,6 +148,8 @@ class LinkServer:
         except (OSError, asyncio.IncompleteReadError):
             pass
         finally:
+            if beating is not None:
+                beating.cancel()
             for task in calls:  # nobody waits for these answers any more
                 task.cancel()
             writer.close()
@@ -180,6 +193,14 @@ class LinkServer:
             await asyncio.wait_for(
                 asyncio.gather(*(server.wait_closed() for server in self._servers)), 1.0
             )
+
+
+async def _beat(writer: asyncio.StreamWriter, calls: set[asyncio.Task]) -> None:
+    """A beat every BEAT_S while `calls` run: the caller knows this process still runs."""
+    while not writer.transport.is_closing():
+        await asyncio.sleep(BEAT_S)
+        if calls and not writer.transport.is_closing():
+            writer.write(ANSWER.pack(BEAT_ID, 0))
 
 
 def deployment_key(token: str, deployment: str) -> bytes:
@@ -244,8 +265,11 @@ class Link:
         self.unix = unix  # cleared where the socket failed
         self._ids = itertools.count()
         self._answers: dict[int, asyncio.Future[bytes]] = {}
+        self._sent_at: dict[int, float] = {}  # call id -> when it was sent (the watch)
+        self._heard = 0.0  # when the replica last sent a frame (an answer or a beat)
         self._writer: asyncio.StreamWriter | None = None
         self._reading: asyncio.Task | None = None
+        self._watching: asyncio.Task | None = None
         self._connecting = asyncio.Lock()
         self._closed = False
 
@@ -254,8 +278,10 @@ class Link:
             raise LinkDown(f"the link to {self.address} is closed")
         writer = self._writer or await self._connect()
         call_id = next(self._ids)
-        answer = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
         self._answers[call_id] = answer
+        self._sent_at[call_id] = loop.time()
         try:
             if writer.transport.is_closing():  # lost, and its reader has not seen it yet
                 raise LinkDown(f"the link to {self.address} broke")
@@ -265,9 +291,17 @@ class Link:
             return await answer
         finally:
             self._answers.pop(call_id, None)
+            self._sent_at.pop(call_id, None)
             if not answer.done():
                 answer.cancel()
             del answer  # else frame -> future -> exception -> traceback -> frame (the batch)
+
+    async def connect(self) -> None:
+        """Connects (and proves the token) now, not at the first call; LinkDown if it fails."""
+        if self._closed:
+            raise LinkDown(f"the link to {self.address} is closed")
+        if self._writer is None:
+            await self._connect()
 
     async def _connect(self) -> asyncio.StreamWriter:
         async with self._connecting:
@@ -329,7 +363,8 @@ class Link:
                 )
             _watch_peer(writer)
             self._writer = writer
-            self._reading = asyncio.ensure_future(self._read(reader))
+            self._reading = asyncio.ensure_future(self._read(reader, writer))
+            self._watching = asyncio.ensure_future(self._watch(writer))
             return writer
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
@@ -342,20 +377,43 @@ class Link:
         writer.write(_mac(self._token, b"caller", ours, theirs))
         return await reader.readexactly(1) == ACCEPTED
 
-    async def _read(self, reader: asyncio.StreamReader) -> None:
+    async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Hands each answer to its call; fails every call waiting once the connection ends."""
         reason = "the connection closed"
         try:
             while True:
                 call_id, length = ANSWER.unpack(await reader.readexactly(ANSWER.size))
+                self._heard = asyncio.get_running_loop().time()
+                if call_id == BEAT_ID:
+                    continue
                 answer = await reader.readexactly(length)
+                self._heard = asyncio.get_running_loop().time()
                 waiting = self._answers.get(call_id)
                 if waiting is not None and not waiting.done():
                     waiting.set_result(answer)
         except (asyncio.IncompleteReadError, OSError) as exc:
             reason = str(exc) or reason
         finally:
-            self._fail_all(f"the link to {self.address} broke: {reason}")
+            if self._writer in (writer, None):  # not a connection made since
+                self._fail_all(f"the link to {self.address} broke: {reason}")
+
+    async def _watch(self, writer: asyncio.StreamWriter) -> None:
+        """Drops the connection once a call has waited SILENT_S with nothing heard from the
+        replica (see SILENT_S); time spent still sending a call does not count."""
+        loop = asyncio.get_running_loop()
+        sending = 0.0  # when a call was last seen still being sent
+        while self._writer is writer:
+            await asyncio.sleep(BEAT_S / 2)
+            now = loop.time()
+            if writer.transport.get_write_buffer_size():
+                sending = now
+            if not self._sent_at:
+                continue
+            silent = now - max(self._heard, sending, min(self._sent_at.values()))
+            if silent > SILENT_S and self._writer is writer:
+                logger.warning("the stage port %s sent nothing for %.1f s", self.address, silent)
+                self._fail_all(f"the stage port {self.address} sent nothing for {silent:.1f} s")
+                return
 
     def _fail_all(self, reason: str) -> None:
         if self._writer is not None:
@@ -371,6 +429,8 @@ class Link:
         waiting = [answer for answer in self._answers.values() if not answer.done()]
         if waiting and grace_s > 0:
             await asyncio.wait(waiting, timeout=grace_s)
+        if self._watching is not None:
+            self._watching.cancel()
         if self._reading is not None:
             self._reading.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -218,7 +218,7 @@ class PortCalls:
         self._holds: Mapping[str, Collection[str]] = {}  # address -> model versions held
         self._refresh_task: asyncio.Task | None = None
         self._following = True  # reading the addresses (until the replica stops)
-        self._closing: set[asyncio.Task] = set()  # links closing, until they are closed
+        self._closing: set[asyncio.Task] = set()  # links closing or probed, until done
         self.by_handle = 0  # calls that went by handle (tests, logs)
 
     @property
@@ -378,12 +378,29 @@ class PortCalls:
             del self._backoff[address]  # no longer reported: nothing to come back to
         addresses = {a for a in ports if self._backoff.get(a, (0.0, 0.0))[0] <= now}
         for address in addresses - self._links.keys():
-            self._links[address] = Link(
+            link = self._links[address] = Link(
                 address, self._token, self._tls, self._sockets.get(address, "")
             )
-            self._in_flight[address] = 0
+            if address in self._backoff:  # it failed: no call waits on it before it answers
+                task = asyncio.ensure_future(self._probe(address, link))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+            else:
+                self._in_flight[address] = 0
         for address in self._links.keys() - addresses:
             self._drop(address)
+
+    async def _probe(self, address: str, link: Link) -> None:
+        """`address`, back from its backoff, takes calls once it connects and proves the
+        token; if it fails, its backoff doubles (a replica still cut off costs no call)."""
+        try:
+            await link.connect()
+        except LinkDown as exc:
+            if self._links.get(address) is link:
+                self._back_off(address, str(exc))
+            return
+        if self._links.get(address) is link:
+            self._in_flight[address] = 0
 
     def _drop(self, address: str) -> None:
         self._in_flight.pop(address, None)
