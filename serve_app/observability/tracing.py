@@ -18,7 +18,8 @@ records its own spans and sets `Job.trace` to the span the next one hangs under:
           raystream.decode                 images, bytes, cpu or gpu, crop size
           raystream.stage Inference        (the next group's span hangs under the last)
             raystream.batch_wait           waiting for an engine batch; the batch size formed
-            raystream.engine               the engine's pass (wall time)
+            raystream.engine               the engine's pass (wall time; GPU time from
+                                           CUDA events on a GPU engine: raystream.gpu_ms)
             raystream.stage Postprocess
       raystream.answer                     the answer written on the stream
 
@@ -257,12 +258,13 @@ class StageTrace:
             "raystream.batch_wait", start, waited, {"raystream.batch_size": timing.batch_size}
         )
         ran = waited + int(timing.inference_ms * 1e6)
-        self._child(
-            "raystream.engine",
-            waited,
-            ran,
-            {"raystream.batch_size": timing.batch_size, "raystream.engine_ms": timing.inference_ms},
-        )
+        attributes = {
+            "raystream.batch_size": timing.batch_size,
+            "raystream.engine_ms": timing.inference_ms,
+        }
+        if timing.gpu_ms:  # a GPU engine's pass, timed with CUDA events
+            attributes["raystream.gpu_ms"] = timing.gpu_ms
+        self._child("raystream.engine", waited, ran, attributes)
 
     def passed_on(self, batch: Batch) -> Batch:
         """`batch` as this group hands it on: its traced jobs carry this group's spans, so
