@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -85,7 +86,13 @@ def configure(config: TracingConfig, process: str) -> None:
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
     resource = Resource.create(
-        {"service.name": "raystream", "raystream.deployment": process, "process.pid": os.getpid()}
+        {
+            "service.name": "raystream",
+            # each replica's own series in Prometheus (the collector's `instance` label)
+            "service.instance.id": f"{socket.gethostname()}:{os.getpid()}",
+            "raystream.deployment": process,
+            "process.pid": os.getpid(),
+        }
     )
     sampler = ParentBased(TraceIdRatioBased(settings.sample_ratio))
     _provider = TracerProvider(sampler=sampler, resource=resource)
