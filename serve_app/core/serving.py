@@ -19,6 +19,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from opentelemetry.trace import Span
+
 from engines.scores import DEFAULT_TOP_K
 from serve_app.config import AppConfig
 from serve_app.core.dispatch import Dispatcher
@@ -291,15 +293,17 @@ class ServingCore:
             if pending.timer is not None:
                 pending.timer.cancel()
             self._done(pending.job)
+            span = None
             if pending.trace is not None:
                 pending.trace.abandoned()
-                pending.trace = None
+                span, pending.trace = pending.trace.span, None
             count = pending.job.count
             self._metrics.record(
                 code="CANCELLED",
                 image_codes={"CANCELLED": count} if count else {},
                 total_ms=(time.perf_counter() - pending.started) * 1000.0,
                 stage_ms={},
+                span=span,
             )
             self._release(pending)
 
@@ -396,7 +400,8 @@ class ServingCore:
         if pending.job.protocol == "v1":
             payload = with_ingress_times(answer.payload, total_ms, dispatch_ms)
             answer = copied(answer, payload=payload)
-        self._record(pending.job, answer, total_ms, pending.stream, dispatch_ms)
+        span = pending.trace.span if pending.trace is not None else None
+        self._record(pending.job, answer, total_ms, pending.stream, dispatch_ms, span)
         if pending.trace is not None:
             pending.trace.end(code_name(answer.code), answer.message)
             answering = time.time_ns()
@@ -416,8 +421,15 @@ class ServingCore:
     # -- metrics and logs -----------------------------------------------------------------------
 
     def _record(
-        self, job: Job, answer: Answer, total_ms: float, stream: str, dispatch_ms: float = 0.0
+        self,
+        job: Job,
+        answer: Answer,
+        total_ms: float,
+        stream: str,
+        dispatch_ms: float = 0.0,
+        span: Span | None = None,
     ) -> None:
+        """`span`: the request's span where it is traced (the latency's exemplar)."""
         failed_images = sum(count for code, count in answer.image_codes if code)
         image_codes = collections.Counter()
         for code, count in answer.image_codes:
@@ -437,6 +449,7 @@ class ServingCore:
             }
             if ran
             else {},
+            span=span,
         )
         if answer.code or failed_images or random.random() < self._config.log_sample_rate:
             self._log(job, answer, total_ms, stream, failed_images)
