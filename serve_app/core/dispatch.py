@@ -27,6 +27,9 @@ huge call's end. A queue that spread calls could carry only past that bound is n
 
 Callbacks, not a future per request: each call answers its requests when it returns, and the
 ingress does no work per request beyond queueing it.
+
+The settings are worked out at run time (serve_app/core/dispatch_rule.py) and change as
+replicas come and go (`retune`).
 """
 
 from __future__ import annotations

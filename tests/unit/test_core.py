@@ -203,14 +203,14 @@ async def test_a_core_call_cancelled_itself_answers_its_requests(core, photos) -
     assert core.requests_in_flight == 0
 
 
-@pytest.mark.parametrize(("spread_min_images", "calls"), [(4, [1, 2, 2]), (0, [1, 4])])
+@pytest.mark.parametrize(("spread_images", "calls"), [(4, [1, 2, 2]), (0, [1, 4])])
 async def test_a_burst_goes_in_calls_over_the_free_slots(
-    core, photos, spread_min_images, calls
+    core, photos, spread_images, calls
 ) -> None:
-    """Requests of 2 images gathered while one call runs: with `spread_min_images` 4 they
+    """Requests of 2 images gathered while one call runs: with `spread_images` 4 they
     go in two calls of 4 images over the two free slots, otherwise in one call."""
     core, chain = core
-    settings = DispatchSettings(64, 3, gather_s=0.5, spread_images=spread_min_images)
+    settings = DispatchSettings(64, 3, gather_s=0.5, spread_images=spread_images)
     core = ServingCore(core._config, chain.served, chain, settings=lambda *_: settings)
     two = (photos["coffee"], photos["chelsea"])
     first = _submit(core, Job(id="first", images=two))
