@@ -25,10 +25,11 @@ from ray.serve.handle import DeploymentHandle
 
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from serve_app.config import STAGES, AppConfig, deployment_names
+from serve_app.core.dispatch_rule import Fleet, host_cores
 from serve_app.core.messages import Served
 from serve_app.core.serving import ServingCore
 from serve_app.ingress.security import TokenAuth, server_credentials
-from serve_app.models.lifecycle import ModelLifecycle
+from serve_app.models.lifecycle import ROUTES, ModelLifecycle
 from serve_app.models.registry import POLL_S, ModelRegistry
 from serve_app.models.registry_actor import ActorStore
 from serve_app.observability import tracing
@@ -67,7 +68,11 @@ class Ingress:
         self._chain: StageChain | None = None
         replica = serve.get_replica_context().replica_id.unique_id
         registry = ModelRegistry(ActorStore(self._config.instance), self._config.instance)
+        self._registry = registry
+        self._callee = ""  # the deployment this replica calls ("": it runs the stages)
+        self._cores = host_cores()
         if stages:
+            self._callee = stages[0].deployment_name
             port = self._config.stage_calls == "port"
             chain = StageChain(
                 list(stages),
@@ -93,7 +98,7 @@ class Ingress:
         self._streams = StreamRunner(
             limits.max_in_flight_per_stream, limits.max_stream_buffer_bytes
         )
-        self._core = ServingCore(self._config, [], run)
+        self._core = ServingCore(self._config, [], run, self._fleet)
         self._core.stage_transport = "local" if self._chain is None else self._chain.transport
         self._models = ModelLifecycle(
             self._core,
@@ -170,6 +175,12 @@ class Ingress:
             model.engine.engine,
             model.engine.device,
         )
+
+    def _fleet(self) -> Fleet:
+        """The replicas that report to the registry now (a local read): those of the
+        deployment this replica calls, and the ingress replicas (core/dispatch_rule.py)."""
+        callee = len(self._registry.reports(self._callee)) if self._callee else 1
+        return Fleet(max(callee, 1), max(len(self._registry.reports(ROUTES)), 1), self._cores)
 
     async def _local_info(self, key: str) -> Served:
         return self._local.info(key)
