@@ -26,6 +26,9 @@ wheels=(
   watchfiles==1.3.0 prometheus-client==0.26.0 opentelemetry-proto==1.45.2
   opentelemetry-sdk==1.45.2 opentelemetry-api==1.45.2 opentelemetry-exporter-prometheus==0.66b2
   opentelemetry-semantic-conventions==0.66b2 requests==2.34.2 urllib3==2.8.0
+  # tracing's OTLP export
+  opentelemetry-exporter-otlp-proto-grpc==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2
+  opentelemetry-exporter-otlp-common==0.66b2 googleapis-common-protos==1.76.0
   certifi==2026.10.19.post1 charset-normalizer==3.5.3 pyyaml==6.0.4 tqdm==4.70.1
   # gRPC and protobuf, as pyproject.toml pins them
   grpcio==1.85.1 grpcio-tools==1.85.1 grpcio-health-checking==1.85.1

@@ -63,8 +63,20 @@ LOAD_FIELDS = {
     "pixels",
     "repeat_fraction",
 }
-EXTRA_FIELDS = {"name", "kind", "compare", "photos", "decode_threads", "decode_size", "hash_images"}
-KINDS = {"grpc", "baseline", "plain_server"}
+EXTRA_FIELDS = {
+    "name",
+    "kind",
+    "compare",
+    "photos",
+    "decode_threads",
+    "decode_size",
+    "hash_images",
+    "rows",
+}
+# grpc: bench/load.py; embed: `raystream embed` of `rows` photos into Parquet shards (against
+# the server); baseline and plain_server: no Serve server (see run_server)
+KINDS = {"grpc", "embed", "baseline", "plain_server"}
+REMOTE_KINDS = {"grpc", "embed"}
 
 
 # --- CPU time of a server's processes -----------------------------------------------------
@@ -350,6 +362,37 @@ def builtin_photos() -> Path:
             (folder / f"{i}-{name}.jpg").write_bytes(data)
         _PHOTOS.append(folder)
     return _PHOTOS[0]
+
+
+def run_embed_load(load_def: dict, target: str, path: Path) -> dict:
+    """One `raystream embed` process over a manifest of `rows` keys (the built-in photos over
+    and over), into Parquet shards in a fresh folder, with the command's own choice of
+    connections and requests in flight unless the load sets them; images/s over its whole
+    run, start and the last shard's write included."""
+    rows = int(load_def.get("rows", 20_000))
+    work = Path(tempfile.mkdtemp(prefix="raystream-embed-"))
+    photos = sorted(builtin_photos().iterdir())
+    manifest = work / "manifest.csv"
+    manifest.write_text(
+        "key,path\n" + "".join(f"k{i},{photos[i % len(photos)]}\n" for i in range(rows))
+    )
+    command = [sys.executable, "-m", "clients.cli", "embed", "--manifest", str(manifest)]
+    command += ["--key-column", "key", "--path-column", "path", "--out", str(work / "out")]
+    command += ["--server", target, "--timeout", "120"]
+    for field in ("connections", "in_flight"):
+        if load_def.get(field):
+            command += [f"--{field.replace('_', '-')}", str(load_def[field])]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    seconds = time.perf_counter() - start
+    shutil.rmtree(work, ignore_errors=True)
+    if done.returncode != 0:
+        report = {"failed": f"raystream embed exited {done.returncode}: {done.stderr[-300:]}"}
+    else:
+        report = {"images_per_s": rows / seconds, "seconds": seconds, "rows": rows}
+        report["summary"] = f"{rows} keys in {seconds:.1f} s by one raystream embed process"
+    path.write_text(json.dumps(report, indent=1))
+    return report
 
 
 def run_grpc_load(
@@ -688,8 +731,8 @@ def run_server(scenario: str, server: dict, loads: list[dict], port: int, args) 
     out = args.out / f"{scenario}-{name}"  # shallow: a GPU host's $OUT returns 3 levels
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
-    remote = [d for d in loads if d["kind"] == "grpc"]
-    local = [d for d in loads if d["kind"] != "grpc"]
+    remote = [d for d in loads if d["kind"] in REMOTE_KINDS]
+    local = [d for d in loads if d["kind"] not in REMOTE_KINDS]
     app_args: dict = {}
     if server.get("config"):
         config_path, app_args = server_config(server, out, args.repository.resolve())
@@ -743,9 +786,12 @@ def run_server(scenario: str, server: dict, loads: list[dict], port: int, args) 
                         print(f"{scenario}/{name}: settled after {settled:.0f} s", flush=True)
                     for load_def in remote:
                         target, path = f"127.0.0.1:{port}", out / f"{load_def['name']}.json"
-                        report = run_grpc_load(
-                            load_def, target, tree, path, args.profile, args.host_probe
-                        )
+                        if load_def["kind"] == "embed":
+                            report = run_embed_load(load_def, target, path)
+                        else:
+                            report = run_grpc_load(
+                                load_def, target, tree, path, args.profile, args.host_probe
+                            )
                         report["ready_after_s"] = ready_after
                         report["replica_start_s"] = starts
                         rows.append(_row(scenario, name, load_def, report))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ class InputError(CatalogError):
 class CatalogItem:
     ordinal: int  # its place in the list, from 0: what a resumed job skips by
     key: str
-    path: Path
+    path: str  # a string, not a Path: millions of them are made, and pathlib is slow
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class CatalogInputs:
 
     # -- the sources -------------------------------------------------------------------------
 
-    def _named_rows(self) -> Iterator[tuple[str, Path]]:
+    def _named_rows(self) -> Iterator[tuple[str, str]]:
         for path in self._paths:
             if path.is_dir():
                 found = sorted(
@@ -127,15 +128,15 @@ class CatalogInputs:
                     if p.is_file() and (not self._suffixes or p.suffix.lower() in self._suffixes)
                 )
                 for p in found:
-                    yield str(p), p
+                    yield str(p), str(p)
             elif path.is_file():
-                yield str(path), path
+                yield str(path), str(path)
             else:
                 raise InputError(f"{path}: no such file or directory")
 
-    def _manifest_rows(self) -> Iterator[tuple[str, Path]]:
+    def _manifest_rows(self) -> Iterator[tuple[str, str]]:
         assert self._manifest is not None
-        folder = self._manifest.parent
+        folder = str(self._manifest.parent)
         fmt = manifest_format(self._manifest)
         if fmt == "text":
             if self._key_column:
@@ -146,7 +147,7 @@ class CatalogInputs:
         else:
             rows = self._parquet_rows()
         for key, name in rows:
-            yield key, folder / name
+            yield key, os.path.join(folder, name)
 
     def _text_rows(self) -> Iterator[tuple[str, str]]:
         with self._manifest.open(encoding="utf-8") as lines:

@@ -137,7 +137,8 @@ class EmbedJob:
                 sent, images = [], []
                 for p in chunk:
                     try:
-                        images.append(p.item.path.read_bytes())
+                        with open(p.item.path, "rb") as image:
+                            images.append(image.read())
                     except OSError as exc:
                         self._fail(p, "NOT_FOUND", f"cannot read the file: {exc.strerror or exc}")
                         continue
@@ -205,6 +206,6 @@ class EmbedJob:
             self._fail(p, _code_name(code), message + tries)
 
     def _fail(self, p: _Pending, code: str, message: str) -> None:
-        self._store.fail(p.item.ordinal, p.item.key, str(p.item.path), code, message)
+        self._store.fail(p.item.ordinal, p.item.key, p.item.path, code, message)
         self.failed += 1
         self._on_progress(1)

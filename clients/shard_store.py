@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -148,6 +149,10 @@ class ShardStore:
         self._failed_ordinals: list[int] = []
         self._group_keys: list[str] = []
         self._group = np.empty((self._group_rows, job.dim), np.dtype(job.dtype))
+        # Row groups are encoded and written on a thread of their own (pyarrow releases the
+        # GIL), one at a time, while the caller's event loop goes on receiving vectors.
+        self._write_thread = ThreadPoolExecutor(1, thread_name_prefix="shard-writer")
+        self._writing: Future | None = None
         self._opened = time.monotonic()
         if state is None:
             self._write_state()
@@ -247,14 +252,26 @@ class ShardStore:
         if self._writer is None:
             metadata = {f"raystream.{k}": str(v) for k, v in asdict(job).items()}
             schema = table.schema.with_metadata(metadata)
-            # no dictionary for keys and vectors: distinct values, where one only adds bytes
+            # no dictionary for keys and vectors: distinct values, where one only adds bytes;
+            # no compression of the vectors, whose float bits compress by a few percent only
             self._writer = pq.ParquetWriter(
                 self._temporary(),
                 schema,
                 use_dictionary=["model", "version", "embedding_space"],
+                compression={name: "snappy" for name in table.column_names} | {"vector": "none"},
             )
-        self._writer.write_table(table, row_group_size=rows)
+        self._wait_for_write()
+        self._writing = self._write_thread.submit(
+            self._writer.write_table, table, row_group_size=rows
+        )
         self._group_keys = []
+        # the table may share the buffer's memory: the next group gets a new one
+        self._group = np.empty_like(self._group)
+
+    def _wait_for_write(self) -> None:
+        if self._writing is not None:
+            self._writing, writing = None, self._writing
+            writing.result()  # a write's error is raised here
 
     def _shard_name(self) -> str:
         return f"shard-{len(self.committed.shards):05d}.parquet"
@@ -266,6 +283,7 @@ class ShardStore:
         """Makes everything added or failed so far durable: the open shard complete and
         renamed, the failures flushed, then the state that names them."""
         self._write_group()
+        self._wait_for_write()
         committed = self.committed
         if self._writer is not None:
             self._writer.close()
@@ -302,4 +320,5 @@ class ShardStore:
     def close(self) -> None:
         """Commits what is open and closes the files."""
         self.commit()
+        self._write_thread.shutdown()
         self._failures.close()

@@ -35,6 +35,7 @@ class Outputs:
 
     logits: np.ndarray  # float32 (N, classes)
     embedding: np.ndarray  # float32 (N, D), each row of norm 1; (N, 0) for a model without one
+    gpu_ms: float = 0.0  # the pass's GPU time (CUDA events) where the engine timed it, else 0
 
     def __len__(self) -> int:
         return len(self.logits)
@@ -57,9 +58,9 @@ class Outputs:
         return Outputs(logits, np.concatenate([p.embedding for p in parts]))
 
     @staticmethod
-    def logits_only(logits: np.ndarray) -> Outputs:
+    def logits_only(logits: np.ndarray, gpu_ms: float = 0.0) -> Outputs:
         """A model without an embedding output (exported before embeddings existed)."""
-        return Outputs(logits, np.zeros((len(logits), 0), np.float32))
+        return Outputs(logits, np.zeros((len(logits), 0), np.float32), gpu_ms)
 
 
 class EngineError(RuntimeError):
@@ -90,6 +91,9 @@ class Engine(abc.ABC):
     # Batches worth running at once: GPU engines overlap one batch's copies with another's
     # compute; ONNX Runtime gives each its share of the cores (serve_app/stages/inference.py).
     batches_at_once: int = 2
+    # GPU engines time each pass with CUDA events (Outputs.gpu_ms) while this is set: the
+    # inference stage sets it where tracing is on (the engine span's raystream.gpu_ms).
+    time_gpu: bool = False
 
     def warmup(self) -> None:
         """Run every shape the engine will see once, so the first request pays nothing."""

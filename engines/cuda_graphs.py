@@ -250,7 +250,12 @@ class GraphEngine(Engine):
         planner = self.planner  # buckets may join meanwhile: one plan, from one planner
         # Input the caller made on its own stream (crops joined on the GPU) is ready first.
         slot.stream.wait_stream(torch.cuda.current_stream(self.device))
+        timed = self.time_gpu
         with torch.inference_mode(), torch.cuda.stream(slot.stream):
+            if timed:
+                began = torch.cuda.Event(enable_timing=True)
+                ended = torch.cuda.Event(enable_timing=True)
+                began.record(slot.stream)
             for bucket in planner.plan(n):
                 count = min(bucket, n - lo)
                 graph = slot.graphs[bucket]
@@ -259,15 +264,19 @@ class GraphEngine(Engine):
                 for host, output in zip(slot.host_out, graph.outputs, strict=True):
                     host[lo : lo + count].copy_(output[:count], non_blocking=True)
                 lo += count
+            if timed:
+                ended.record(slot.stream)
             wait_asleep(slot.stream)
+        # Both events are done once the stream is: reading them waits for nothing more.
+        gpu_ms = began.elapsed_time(ended) if timed else 0.0
         results = [host[:n].numpy().copy() for host in slot.host_out]
         if len(results) == 1:
-            return Outputs.logits_only(results[0])
+            return Outputs.logits_only(results[0], gpu_ms)
         # Normalized on the GPU in the engine's dtype, whose rounding (FP16, BF16) leaves
         # norms up to ~1e-3 from 1: exactly 1 again, in float32.
         logits, embedding = results
         embedding /= np.maximum(np.linalg.norm(embedding, axis=1, keepdims=True), 1e-12)
-        return Outputs(logits, embedding)
+        return Outputs(logits, embedding, gpu_ms)
 
     def _infer(self, batch: np.ndarray) -> Outputs:
         n = len(batch)

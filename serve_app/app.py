@@ -68,12 +68,19 @@ class Stages:
         name = deployment_name(stages)
         registry = ModelRegistry(ActorStore(wiring.instance), wiring.instance)
         self._drain_s = drain_timeout_s()
+        node_id = ray.get_runtime_context().get_node_id()
         self._port = None
         self._port_calls_here = 0  # port calls in this group's own stages (autoscaling)
+        self._handle_calls_here = 0  # `run` calls by handle in flight (the port's bound)
         self._metrics = StageMetrics()
         if wiring.route.serves_port(name):
             self._port = StagePort(
-                self._run_port_call, wiring.stage_token, name, then=self._pass_on
+                self._run_port_call,
+                wiring.stage_token,
+                name,
+                then=self._pass_on,
+                max_calls=_max_ongoing_requests,
+                handle_calls=lambda: self._handle_calls_here,
             )
             first, last = config.stage_ports
             await self._port.start(ray.util.get_node_ip_address(), range(first, last + 1))
@@ -84,6 +91,8 @@ class Stages:
             name,
             context.replica_id.unique_id,
             "" if self._port is None else self._port.address,
+            node=node_id,
+            unix="" if self._port is None else self._port.unix,
         )
         self._next = None
         if next is not None:
@@ -97,13 +106,18 @@ class Stages:
                     wiring.stage_token,
                     node=ray.util.get_node_ip_address(),  # crops on the GPU: this node's only
                     metrics=StageCallMetrics(),
+                    node_id=node_id,
                 )
         self.batching = self._group.batching
         self.images_inferred = self._group.images_inferred
         self.memory_bytes = self._group.memory_bytes
 
     async def run(self, batch: Batch) -> Batch | list[Answer]:
-        return await self._pass_on(await self._group.run(batch, "handle"))
+        self._handle_calls_here += 1
+        try:
+            return await self._pass_on(await self._group.run(batch, "handle"))
+        finally:
+            self._handle_calls_here -= 1
 
     async def _run_port_call(self, batch: Batch) -> Batch:
         """This group's part of a call over the port, counted while its own stages hold it
@@ -163,6 +177,14 @@ class Stages:
     def replica_id(self) -> str:
         """This replica's Serve id (operators and tests: which replica answered)."""
         return serve.get_replica_context().replica_id.unique_id
+
+
+def _max_ongoing_requests() -> int:
+    """The deployment's `max_ongoing_requests` as Serve holds it now (a config change sets it
+    in place): the port bounds its calls by it too. Ray keeps it in the replica context's
+    deployment config, a private field; 0 (no bound) where a Ray version lacks it."""
+    config = getattr(serve.get_replica_context(), "_deployment_config", None)
+    return getattr(config, "max_ongoing_requests", 0) or 0
 
 
 def build_app(args: dict[str, Any]) -> Application:

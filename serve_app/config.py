@@ -215,6 +215,16 @@ class AppConfig(_Strict):
         "nvjpeg_chunk": "removed: nvJPEG takes a piece's JPEGs in one call",
         "instance": "build_app makes it; it is not a setting",
         "stage_token": "build_app makes it; it is not a setting",
+        **dict.fromkeys(
+            (
+                "requests_per_call",
+                "max_calls_in_flight",
+                "max_call_wait_s",
+                "spread_min_images",
+                "max_images_per_call",
+            ),
+            "the dispatcher works it out (serve_app/core/dispatch_rule.py)",
+        ),
     }
 
     host: str = "127.0.0.1"  # loopback by default: binding elsewhere is a deliberate choice
@@ -241,22 +251,6 @@ class AppConfig(_Strict):
     # Structured request logs (JSON lines in the ingress replica's Serve log): every failed
     # request or image, and this fraction of the successful ones.
     log_sample_rate: float = Field(0.01, ge=0.0, le=1.0)
-    # Requests per call through the stage deployments, and calls in flight from each
-    # ingress replica: requests that arrive while max_calls_in_flight calls run go together
-    # in the next call (micro-batching, serve_app/core/dispatch.py).
-    requests_per_call: int = Field(64, ge=1)
-    max_calls_in_flight: int = Field(4, ge=1)
-    # While other calls are in flight and at least one request arrives in this long (at
-    # the last 0.1 s's rate), a free call slot waits this long for more before it sends.
-    max_call_wait_s: float = Field(0.003, ge=0.0, le=1.0)
-    # While call slots are free, requests that one call would take are spread over them in
-    # calls of at least this many images each, so that one client's burst runs on several
-    # stage replicas at once (0: one call takes them).
-    spread_min_images: int = Field(0, ge=0)
-    # The images a call carries at most, past its first request (0: no bound): under a
-    # backlog, calls that end sooner let another stream's request, taken in turn
-    # (serve_app/core/dispatch.py), be answered sooner.
-    max_images_per_call: int = Field(0, ge=0)
     # null: stage calls go by Serve handle. [first, last]: each stage replica also listens on
     # the first free port of this range on its node's address, and the stages call each
     # other over these ports (serve_app/transport/stage_port.py), with the handle as fallback.

@@ -72,6 +72,12 @@ class Overloaded(RaystreamError):
     code = Code.RESOURCE_EXHAUSTED
 
 
+class StageBusy(Overloaded):
+    """A stage replica's port refused a call: the replica holds its deployment's
+    `max_ongoing_requests` calls already. The caller sends it to another replica, or by
+    Serve's handle, which queues it (serve_app/transport/stage_port.py)."""
+
+
 class DeadlineExceeded(RaystreamError):
     """The request's deadline (its `timeout_ms`, or the call's gRPC deadline) passed first."""
 

@@ -62,3 +62,103 @@ def run_cli(*args: str, prelude: str = "", timeout: float = 300) -> subprocess.C
         cwd=ROOT,
         timeout=timeout,
     )
+
+
+class OtlpReceiver:
+    """A real OTLP gRPC collector on a free loopback port (`endpoint` once started): the
+    spans (TraceService) and histogram points (MetricsService) exported to it, each with
+    its process' `raystream.deployment` and pid."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict] = []
+        self.points: list[dict] = []  # histogram data points, with their exemplars
+        self.endpoint = ""
+        self._server = None
+
+    async def start(self) -> OtlpReceiver:
+        import grpc
+        from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+        self._server = grpc.aio.server()
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Traces(self), self._server)
+        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_Metrics(self), self._server)
+        port = self._server.add_insecure_port("127.0.0.1:0")
+        await self._server.start()
+        self.endpoint = f"127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        await self._server.stop(None)
+
+    def trace(self, trace_id: str) -> list[dict]:
+        return [span for span in self.spans if span["trace_id"] == trace_id]
+
+    def histogram(self, name: str) -> list[dict]:
+        return [point for point in self.points if point["name"] == name]
+
+
+def _resource(resource) -> dict[str, object]:
+    attributes = {a.key: a.value for a in resource.attributes}
+    return {
+        "deployment": attributes["raystream.deployment"].string_value,
+        "pid": attributes["process.pid"].int_value,
+    }
+
+
+class _Traces:
+    def __init__(self, receiver: OtlpReceiver) -> None:
+        self._receiver = receiver
+
+    async def Export(self, request, context):
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+        for resource_spans in request.resource_spans:
+            where = _resource(resource_spans.resource)
+            for scope in resource_spans.scope_spans:
+                for span in scope.spans:
+                    self._receiver.spans.append(
+                        {
+                            "name": span.name,
+                            "trace_id": span.trace_id.hex(),
+                            "span_id": span.span_id.hex(),
+                            "parent": span.parent_span_id.hex(),
+                            "start_ns": span.start_time_unix_nano,
+                            "end_ns": span.end_time_unix_nano,
+                            "attributes": {a.key: a.value for a in span.attributes},
+                            **where,
+                        }
+                    )
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+class _Metrics:
+    def __init__(self, receiver: OtlpReceiver) -> None:
+        self._receiver = receiver
+
+    async def Export(self, request, context):
+        from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
+
+        for resource_metrics in request.resource_metrics:
+            where = _resource(resource_metrics.resource)
+            for scope in resource_metrics.scope_metrics:
+                for metric in scope.metrics:
+                    for point in metric.histogram.data_points:
+                        self._receiver.points.append(
+                            {
+                                "name": metric.name,
+                                "count": point.count,
+                                "bounds": list(point.explicit_bounds),
+                                "bucket_counts": list(point.bucket_counts),
+                                "exemplars": [
+                                    {
+                                        "trace_id": e.trace_id.hex(),
+                                        "span_id": e.span_id.hex(),
+                                        "value": e.as_double,
+                                    }
+                                    for e in point.exemplars
+                                ],
+                                **where,
+                            }
+                        )
+        return metrics_service_pb2.ExportMetricsServiceResponse()

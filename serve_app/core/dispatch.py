@@ -27,6 +27,9 @@ huge call's end. A queue that spread calls could carry only past that bound is n
 
 Callbacks, not a future per request: each call answers its requests when it returns, and the
 ingress does no work per request beyond queueing it.
+
+The settings are worked out at run time (serve_app/core/dispatch_rule.py) and change as
+replicas come and go (`retune`).
 """
 
 from __future__ import annotations
@@ -89,6 +92,28 @@ class Dispatcher(Generic[P]):
         self._spill_timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task] = set()
         self._window_start, self._window_arrivals, self._rate = clock(), 0, 0.0
+
+    def retune(
+        self,
+        *,
+        max_per_call: int,
+        max_calls: int,
+        gather_s: float,
+        spill_after_s: float,
+        spread_images: int,
+        max_images: int,
+    ) -> None:
+        """New settings (serve_app/core/dispatch_rule.py: replicas came or went), from the
+        next call on; calls in flight go on. Slots that this frees take queued requests."""
+        self._max_per_call, self._max_calls = max_per_call, max_calls
+        self._gather_s, self._spill_after_s = gather_s, spill_after_s
+        self._spread_images, self._max_images = spread_images, max_images
+        if self._queue and self._running < self._max_calls:
+            self._fill_slot()
+
+    @property
+    def max_calls(self) -> int:
+        return self._max_calls
 
     @property
     def calls_in_flight(self) -> int:

@@ -105,6 +105,7 @@ class StageTiming:
     inference_ms: float = 0.0
     postprocess_ms: float = 0.0
     batch_size: int = 0  # images in the (largest) engine batch this batch's images ran in
+    gpu_ms: float = 0.0  # that batch's GPU time (CUDA events; tracing on, GPU engines), else 0
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,13 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from opentelemetry.trace import Span
+
+from engines.base import EngineInfo
 from engines.scores import DEFAULT_TOP_K
 from serve_app.config import AppConfig
 from serve_app.core.dispatch import Dispatcher
+from serve_app.core.dispatch_rule import RETUNE_S, DispatchSettings, Fleet, dispatch_settings
 from serve_app.core.messages import Answer, Batch, Failure, Job, Served, copied
 from serve_app.core.result_cache import CachedRequests, Part, cacheable
 from serve_app.errors import (
@@ -76,10 +80,19 @@ class ServingCore:
         config: AppConfig,
         models: Served | list[Served],
         run: Callable[[Batch], Awaitable[list[Answer]]],
+        fleet: Callable[[], Fleet] = Fleet,
+        settings: Callable[[Fleet, EngineInfo], DispatchSettings] | None = None,
     ) -> None:
         """`models`: the model versions served (more come and go: `add`, `retire`); `run`:
-        one call through the stages for a batch of one version's jobs, answering each."""
+        one call through the stages for a batch of one version's jobs, answering each;
+        `fleet`: the replicas seen now, read again every RETUNE_S; `settings`: the
+        dispatcher's for a fleet and an engine (default: dispatch_rule.dispatch_settings)."""
         self._config = config
+        self._fleet = fleet
+        self._settings = settings or self._default_settings
+        self._engines: dict[str, EngineInfo] = {}  # "name/version" -> its engine, once routed
+        self._applied: dict[str, DispatchSettings] = {}  # "name/version" -> its dispatcher's
+        self._retune_at = 0.0
         self._limits = config.limits
         self.default = config.model  # the model of requests that name none
         self.models: dict[str, Served] = {}  # "name/version" -> what answers it
@@ -112,6 +125,7 @@ class ServingCore:
     def add(self, model: Served) -> None:
         """Route requests to `model` from now on."""
         self.models[model.key] = model
+        self._engines[model.key] = model.engine
         self._routed[model.key] = next(self._routings)
 
     def retire(self, key: str) -> None:
@@ -123,20 +137,59 @@ class ServingCore:
         found = [m for m in self.models.values() if m.name == name]
         return sorted(found, key=lambda m: (not m.version.isdigit(), _number(m.version), m.version))
 
+    # -- the micro-batching dispatchers, one per version ------------------------------------
+
+    def _default_settings(self, fleet: Fleet, engine: EngineInfo) -> DispatchSettings:
+        direct = self._config.topology == "direct"
+        return dispatch_settings(fleet, engine.device != "cpu", engine.max_batch_size, direct)
+
+    def _dispatch_args(self, key: str, fleet: Fleet) -> dict[str, int | float]:
+        """`key`'s dispatcher's settings for `fleet`, as Dispatcher takes them."""
+        # a key not routed ("": jobs built without one, in tests): the first routed one
+        engine = self._engines.get(key) or next(iter(self._engines.values()), None)
+        if engine is None:  # no version routed yet: nothing to call
+            return self._dispatch_args_of(DispatchSettings(requests_per_call=1, calls_in_flight=1))
+        settings = self._settings(fleet, engine)
+        if self._applied.get(key) != settings:
+            logger.info("dispatching %s: %s, for %s", key or "the default model", settings, fleet)
+            self._applied[key] = settings
+        return self._dispatch_args_of(settings)
+
+    @staticmethod
+    def _dispatch_args_of(settings: DispatchSettings) -> dict[str, int | float]:
+        return {
+            "max_per_call": settings.requests_per_call,
+            "max_calls": settings.calls_in_flight,
+            "gather_s": settings.gather_s,
+            "spill_after_s": settings.spill_after_s,
+            "spread_images": settings.spread_images,
+            "max_images": settings.max_images,
+        }
+
+    def _retune(self) -> None:
+        """Every RETUNE_S: the dispatchers' settings for the replicas seen now."""
+        fleet = self._fleet()
+        for key, dispatcher in self._dispatchers.items():
+            dispatcher.retune(**self._dispatch_args(key, fleet))
+
     def _dispatcher(self, key: str) -> Dispatcher:
+        now = time.monotonic()
+        if now >= self._retune_at:
+            self._retune_at = now + RETUNE_S
+            self._retune()
         if key not in self._dispatchers:
             self._dispatchers[key] = Dispatcher(
                 lambda items: self._call(key, items),
-                max_per_call=self._config.requests_per_call,
-                max_calls=self._config.max_calls_in_flight,
-                gather_s=self._config.max_call_wait_s,
-                spread_images=self._config.spread_min_images,
                 images=lambda item: item.job.count if item.job else 0,
                 # the stream or connection it came on (a cached request's Part has its job)
                 flow=lambda item: item.job.flow if item.job else "",
-                max_images=self._config.max_images_per_call,
+                **self._dispatch_args(key, self._fleet()),
             )
         return self._dispatchers[key]
+
+    def dispatching(self, key: str) -> DispatchSettings | None:
+        """The settings `key`'s dispatcher works with (None before its first request)."""
+        return self._applied.get(key)
 
     # -- checks ---------------------------------------------------------------------------
 
@@ -289,15 +342,17 @@ class ServingCore:
             if pending.timer is not None:
                 pending.timer.cancel()
             self._done(pending.job)
+            span = None
             if pending.trace is not None:
                 pending.trace.abandoned()
-                pending.trace = None
+                span, pending.trace = pending.trace.span, None
             count = pending.job.count
             self._metrics.record(
                 code="CANCELLED",
                 image_codes={"CANCELLED": count} if count else {},
                 total_ms=(time.perf_counter() - pending.started) * 1000.0,
                 stage_ms={},
+                span=span,
             )
             self._release(pending)
 
@@ -394,7 +449,8 @@ class ServingCore:
         if pending.job.protocol == "v1":
             payload = with_ingress_times(answer.payload, total_ms, dispatch_ms)
             answer = copied(answer, payload=payload)
-        self._record(pending.job, answer, total_ms, pending.stream, dispatch_ms)
+        span = pending.trace.span if pending.trace is not None else None
+        self._record(pending.job, answer, total_ms, pending.stream, dispatch_ms, span)
         if pending.trace is not None:
             pending.trace.end(code_name(answer.code), answer.message)
             answering = time.time_ns()
@@ -414,8 +470,15 @@ class ServingCore:
     # -- metrics and logs -----------------------------------------------------------------------
 
     def _record(
-        self, job: Job, answer: Answer, total_ms: float, stream: str, dispatch_ms: float = 0.0
+        self,
+        job: Job,
+        answer: Answer,
+        total_ms: float,
+        stream: str,
+        dispatch_ms: float = 0.0,
+        span: Span | None = None,
     ) -> None:
+        """`span`: the request's span where it is traced (the latency's exemplar)."""
         failed_images = sum(count for code, count in answer.image_codes if code)
         image_codes = collections.Counter()
         for code, count in answer.image_codes:
@@ -435,6 +498,7 @@ class ServingCore:
             }
             if ran
             else {},
+            span=span,
         )
         if answer.code or failed_images or random.random() < self._config.log_sample_rate:
             self._log(job, answer, total_ms, stream, failed_images)

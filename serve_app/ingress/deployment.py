@@ -25,16 +25,17 @@ from ray.serve.handle import DeploymentHandle
 
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from serve_app.config import STAGES, AppConfig
+from serve_app.core.dispatch_rule import Fleet, host_cores
 from serve_app.core.messages import Served
 from serve_app.core.serving import ServingCore
 from serve_app.ingress.security import TokenAuth, server_credentials
-from serve_app.models.lifecycle import ModelLifecycle
+from serve_app.models.lifecycle import ROUTES, ModelLifecycle
 from serve_app.models.registry import ModelRegistry
 from serve_app.models.registry_actor import ActorStore
 from serve_app.observability import tracing
 from serve_app.observability.logs import to_serve_log
 from serve_app.observability.metrics import resident_memory_bytes
-from serve_app.pipeline.route import Wiring
+from serve_app.pipeline.route import INGRESS, Wiring
 from serve_app.pipeline.topology import (
     StageChain,
     StageGroup,
@@ -75,6 +76,10 @@ class Ingress:
         self._chain: StageChain | None = None
         replica = serve.get_replica_context().replica_id.unique_id
         registry = ModelRegistry(ActorStore(wiring.instance), wiring.instance)
+        self._registry = registry
+        first_hop = route.next_of(INGRESS)
+        self._callee = "" if first_hop is None else first_hop.callee  # "": runs the stages
+        self._cores = host_cores()
         if stages:
             # Over the ports, images go to stage replicas on this node through shared memory.
             port = route.over_ports
@@ -84,6 +89,7 @@ class Ingress:
                 wiring.stage_token,
                 ray.util.get_node_ip_address(),
                 SHARED_IMAGES_BYTES if port else 0,
+                node_id=ray.get_runtime_context().get_node_id(),
             )
             logger.info("stage calls from the ingress: %s", chain.transport)
             logger.info("the route: %s", route)
@@ -100,7 +106,7 @@ class Ingress:
         limits = self._config.limits
         # a stream buffers at most what one message may carry
         self._streams = StreamRunner(limits.max_in_flight_per_stream, limits.max_message_bytes)
-        self._core = ServingCore(self._config, [], run)
+        self._core = ServingCore(self._config, [], run, self._fleet)
         self._core.stage_transport = "local" if self._chain is None else self._chain.transport
         self._models = ModelLifecycle(
             self._core,
@@ -177,6 +183,12 @@ class Ingress:
             model.engine.engine,
             model.engine.device,
         )
+
+    def _fleet(self) -> Fleet:
+        """The replicas that report to the registry now (a local read): those of the
+        deployment this replica calls, and the ingress replicas (core/dispatch_rule.py)."""
+        callee = len(self._registry.reports(self._callee)) if self._callee else 1
+        return Fleet(max(callee, 1), max(len(self._registry.reports(ROUTES)), 1), self._cores)
 
     async def _local_info(self, key: str) -> Served:
         return self._local.info(key)

@@ -103,6 +103,8 @@ class Report:
     holds: frozenset[str]  # versions loaded (stage replicas) or routed and busy (ingress)
     failed: dict[str, str]  # versions that failed to load here, and why
     address: str = ""  # the replica's stage port, host:port (serve_app/transport/stage_port.py)
+    node: str = ""  # the Ray node id of the replica's node
+    unix: str = ""  # the stage port's Unix socket, for callers on that node
 
 
 def key_of(name: str, version: str) -> str:
@@ -178,10 +180,13 @@ class ModelRegistry:
         holds: Iterable[str],
         failed: dict[str, str] | None = None,
         address: str = "",
+        node: str = "",
+        unix: str = "",
     ) -> None:
         value = {"holds": sorted(holds), "failed": failed or {}}
-        if address:
-            value["address"] = address
+        for field, given in (("address", address), ("node", node), ("unix", unix)):
+            if given:
+                value[field] = given
         self._store.put(f"{self._reports}{deployment}/{replica}", json.dumps(value).encode())
 
     def leave(self, deployment: str, replica: str) -> None:
@@ -201,7 +206,15 @@ class ModelRegistry:
             replica = key.rsplit("/", 1)[1]
             holds = frozenset(value["holds"])
             found.append(
-                Report(deployment, replica, holds, value["failed"], value.get("address", ""))
+                Report(
+                    deployment,
+                    replica,
+                    holds,
+                    value["failed"],
+                    value.get("address", ""),
+                    value.get("node", ""),
+                    value.get("unix", ""),
+                )
             )
         return found
 
@@ -209,6 +222,15 @@ class ModelRegistry:
         """The stage ports of `deployment`'s live replicas, each with the versions it holds."""
         return {
             report.address: report.holds for report in self.reports(deployment) if report.address
+        }
+
+    def sockets(self, deployment: str, node: str) -> dict[str, str]:
+        """The Unix sockets of `deployment`'s live replicas on the node `node` (a Ray node
+        id), by their stage ports' addresses."""
+        return {
+            report.address: report.unix
+            for report in self.reports(deployment)
+            if report.address and report.unix and node and report.node == node
         }
 
     def held_everywhere(self, deployments: Iterable[str]) -> set[str]:

@@ -27,7 +27,8 @@ Ray prefixes every name with `ray_`). Named and labelled after Triton's `nv_infe
                                                `deployment` tag names the caller):
                                                transport port or handle; outcome ok,
                                                error (the stage's answer), link_down (the
-                                               port failed: the call went elsewhere)
+                                               port failed: the call went elsewhere), busy
+                                               (the port refused it at its bound)
 
 Serve adds the deployment, replica and application tags. A stage's mean time per request:
     rate(raystream_stage_duration_ms_total{stage="queue"}[1m])
@@ -37,7 +38,7 @@ Counters add up in the replica and reach Ray once a second (`IngressMetrics.flus
 metric call with Serve's tags costs microseconds, and the seven a request made cost up to 15%
 of a direct replica's requests/s on a 2-core CPU machine; gathering them won back ~9%.
 Only the end-to-end histogram is still observed per request: Ray's histograms take one value
-a call.
+a call. With tracing on it is also recorded over OTLP, with exemplars (exemplars.py).
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ import collections
 import os
 from collections.abc import Mapping
 
+from opentelemetry.trace import Span
 from ray.serve.metrics import Counter, Gauge, Histogram
+
+from serve_app.observability import exemplars
 
 LATENCY_MS = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
 # Ray's metrics agent exports a histogram's sum as its buckets' midpoints (the lowest bucket's
@@ -87,6 +91,11 @@ class IngressMetrics:
             boundaries=LATENCY_MS,
             description="End-to-end request time in the ingress.",
         )
+        # Tracing on: the same histogram again over OTLP, sampled requests' trace ids as its
+        # exemplars (serve_app/observability/exemplars.py); None with tracing off.
+        self.total_exemplars = exemplars.histogram(
+            "raystream_request_duration_ms", LATENCY_MS, "End-to-end request time in the ingress."
+        )
         self.stages = Counter(
             "raystream_stage_duration_ms_total",
             tag_keys=("stage",),
@@ -115,8 +124,10 @@ class IngressMetrics:
         image_codes: Mapping[str, int],
         total_ms: float,
         stage_ms: dict[str, float],
+        span: Span | None = None,
     ) -> None:
-        """One answered request: its code, its images' codes (code -> images), its times."""
+        """One answered request: its code, its images' codes (code -> images), its times;
+        `span`: its span where it is traced (the latency's exemplar)."""
         pending = self._pending
         pending[self.requests, "code", code] += 1
         if code in REJECTED_CODES and not stage_ms:
@@ -126,6 +137,8 @@ class IngressMetrics:
         for stage, ms in stage_ms.items():
             pending[self.stages, "stage", stage] += ms
         self.total.observe(total_ms)
+        if self.total_exemplars is not None:
+            self.total_exemplars.record(total_ms, span)
 
     def record_cache(
         self, counts: Mapping[str, int], evictions: int, size: int, entries: int

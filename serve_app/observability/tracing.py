@@ -4,7 +4,8 @@ Off by default (`tracing.otlp_endpoint` unset); then every helper here returns a
 creates nothing. On, each process builds one tracer (`configure`) with parent-based head
 sampling: a request whose client sent a sampled W3C `traceparent` (gRPC metadata) is always
 traced, one sent unsampled never, and the others at `sample_ratio`. Spans go in batches over
-OTLP gRPC to `otlp_endpoint`.
+OTLP gRPC to `otlp_endpoint`, with the request latency histogram whose buckets carry
+sampled requests' trace ids as exemplars (serve_app/observability/exemplars.py).
 
 A traced request's context travels with its `Job` (`Job.trace`, a traceparent string; empty
 for a request not traced), over a stage port and through a Serve handle alike. Each process
@@ -17,7 +18,8 @@ records its own spans and sets `Job.trace` to the span the next one hangs under:
           raystream.decode                 images, bytes, cpu or gpu, crop size
           raystream.stage Inference        (the next group's span hangs under the last)
             raystream.batch_wait           waiting for an engine batch; the batch size formed
-            raystream.engine               the engine's pass (wall time)
+            raystream.engine               the engine's pass (wall time; GPU time from
+                                           CUDA events on a GPU engine: raystream.gpu_ms)
             raystream.stage Postprocess
       raystream.answer                     the answer written on the stream
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -45,6 +48,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from serve_app.config import TracingConfig
 from serve_app.core.messages import Batch, Job, copied
+from serve_app.observability import exemplars
 from serve_app.tuning import TRACE_EXPORT_DELAY_S
 from serve_app.wire.request_images import buffers
 
@@ -56,26 +60,49 @@ _tracer: trace.Tracer | None = None  # None: tracing off in this process
 _provider: TracerProvider | None = None
 
 
+@dataclass(frozen=True)
+class Export:
+    """Where and how this process exports its spans and exemplar histograms."""
+
+    endpoint: str  # host:port of an OTLP gRPC collector (plaintext)
+    sample_ratio: float
+    delay_s: float  # how long finished spans wait before they are sent; the metrics' interval
+
+
+def export_settings(config: TracingConfig) -> Export | None:
+    """The tracing config as this module uses it; None when tracing is off. (The one place
+    that reads TracingConfig's fields.)"""
+    if not config.enabled:
+        return None
+    return Export(config.otlp_endpoint, config.sample_ratio, TRACE_EXPORT_DELAY_S)
+
+
 def configure(config: TracingConfig, process: str) -> None:
-    """Set up this process' tracer once (`process`: its deployment, as the resource's
-    `raystream.deployment`); nothing when tracing is off."""
+    """Set up this process' tracer and exemplar histograms once (`process`: its deployment,
+    as the resource's `raystream.deployment`); nothing when tracing is off."""
     global _tracer, _provider
-    if not config.enabled or _tracer is not None:
+    settings = export_settings(config)
+    if settings is None or _tracer is not None:
         return
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
     resource = Resource.create(
-        {"service.name": "raystream", "raystream.deployment": process, "process.pid": os.getpid()}
+        {
+            "service.name": "raystream",
+            # each replica's own series in Prometheus (the collector's `instance` label)
+            "service.instance.id": f"{socket.gethostname()}:{os.getpid()}",
+            "raystream.deployment": process,
+            "process.pid": os.getpid(),
+        }
     )
-    sampler = ParentBased(TraceIdRatioBased(config.sample_ratio))
+    sampler = ParentBased(TraceIdRatioBased(settings.sample_ratio))
     _provider = TracerProvider(sampler=sampler, resource=resource)
-    exporter = OTLPSpanExporter(endpoint=config.otlp_endpoint, insecure=True)
-    delay_ms = int(TRACE_EXPORT_DELAY_S * 1000)
+    exporter = OTLPSpanExporter(endpoint=settings.endpoint, insecure=True)
+    delay_ms = int(settings.delay_s * 1000)
     _provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=delay_ms))
     _tracer = _provider.get_tracer("raystream")
-    logger.info(
-        "tracing on: sample ratio %g, OTLP to %s", config.sample_ratio, config.otlp_endpoint
-    )
+    exemplars.configure(settings.endpoint, settings.delay_s, resource)
+    logger.info("tracing on: sample ratio %g, OTLP to %s", settings.sample_ratio, settings.endpoint)
 
 
 def enabled() -> bool:
@@ -84,7 +111,8 @@ def enabled() -> bool:
 
 def flush(timeout_s: float = 5.0) -> bool:
     """Export what is finished now (a replica stopping; tests)."""
-    return _provider is None or _provider.force_flush(int(timeout_s * 1000))
+    spans = _provider is None or _provider.force_flush(int(timeout_s * 1000))
+    return exemplars.flush(timeout_s) and spans
 
 
 def client_parent(context: object) -> str:
@@ -238,12 +266,13 @@ class StageTrace:
             "raystream.batch_wait", start, waited, {"raystream.batch_size": timing.batch_size}
         )
         ran = waited + int(timing.inference_ms * 1e6)
-        self._child(
-            "raystream.engine",
-            waited,
-            ran,
-            {"raystream.batch_size": timing.batch_size, "raystream.engine_ms": timing.inference_ms},
-        )
+        attributes = {
+            "raystream.batch_size": timing.batch_size,
+            "raystream.engine_ms": timing.inference_ms,
+        }
+        if timing.gpu_ms:  # a GPU engine's pass, timed with CUDA events
+            attributes["raystream.gpu_ms"] = timing.gpu_ms
+        self._child("raystream.engine", waited, ran, attributes)
 
     def passed_on(self, batch: Batch) -> Batch:
         """`batch` as this group hands it on: its traced jobs carry this group's spans, so

@@ -141,11 +141,13 @@ class StageChain:
         token: str = "",
         node: str = "",
         shared_bytes: int = 0,
+        node_id: str = "",
     ) -> None:
         """`registry`: with `stage_ports`, where the first group's replicas report
         their ports (`token`: the stage token); each group then calls the next itself
         (serve_app/app.py), so the ingress makes one call, over a port (stage_port.py),
-        handing the images to replicas on its `node` in `shared_bytes` of shared memory."""
+        handing the images to replicas on its `node` in `shared_bytes` of shared memory,
+        over their Unix sockets where they report its Ray `node_id`."""
         self._handles = handles  # the last one holds inference
         self._single = StageHandle(handles[0]) if len(handles) == 1 else None
         self._port = None
@@ -159,6 +161,7 @@ class StageChain:
                 node,
                 shared_bytes,
                 StageCallMetrics(),
+                node_id=node_id,
             )
 
     async def run(self, batch: Batch) -> list[Answer]:
@@ -280,12 +283,15 @@ class StageGroup:
         deployment: str = "",
         replica: str = "",
         address: str = "",
+        node: str = "",
+        unix: str = "",
     ) -> StageGroup:
-        """`address`: the replica's stage port, reported with its models (stage_port.py)."""
+        """`address`: the replica's stage port, reported with its models (stage_port.py),
+        with its Ray `node` id and the port's `unix` socket for callers on that node."""
         group = cls()
         group._config, group._stages = config, stages
         group._registry, group._deployment, group._replica = registry, deployment, replica
-        group._address = address
+        group._address, group._node, group._unix = address, node, unix
         group.models: dict[str, ModelStages] = {}
         group._unloading: dict[str, ModelStages] = {}  # still watched while they close
         group.failed: dict[str, str] = {}
@@ -365,7 +371,14 @@ class StageGroup:
         which loads change), written to the registry from a thread."""
         holds, failed = list(self.models), dict(self.failed)
         await asyncio.to_thread(
-            self._registry.report, self._deployment, self._replica, holds, failed, self._address
+            self._registry.report,
+            self._deployment,
+            self._replica,
+            holds,
+            failed,
+            self._address,
+            self._node,
+            self._unix,
         )
 
     def check_health(self) -> None:

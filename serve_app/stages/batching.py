@@ -172,7 +172,7 @@ class DynamicBatcher(Generic[T, R]):
 
     def abandon(self) -> None:
         """close() without waiting for the workers to stop: for a stage given up while its
-        thread may be stuck (a warm-up past limits.load_timeout_s)."""
+        thread may be stuck (a warm-up past its load timeout, LOAD_TIMEOUT_S)."""
         self._closed = True
         for worker in self._workers:
             worker.cancel()

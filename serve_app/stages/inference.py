@@ -30,6 +30,7 @@ from engines.repository import ModelRef
 from serve_app.config import AppConfig, BatchingConfig
 from serve_app.core.messages import NO_OWNERS, Batch, Failure, Job, StageTiming, fail_jobs
 from serve_app.errors import Code, Unavailable
+from serve_app.observability import tracing
 from serve_app.observability.metrics import InferenceMetrics
 from serve_app.stages.batching import DynamicBatcher
 from serve_app.stages.nvjpeg_queue import NvjpegQueue
@@ -51,6 +52,7 @@ class _Scored:
     inference_ms: float
     batch_size: int
     decode_ms: float = 0.0
+    gpu_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class _Ran:
     started: float  # perf_counter() when its engine batch started
     inference_ms: float
     batch_size: int
+    gpu_ms: float = 0.0  # the engine batch's GPU time, where it was timed (Outputs.gpu_ms)
 
 
 def ms_since(start: float) -> float:
@@ -124,6 +127,7 @@ class InferenceStage:
             sleep_in_every_gpu_wait(torch.device("cuda"))
         # Off the event loop: building and warming a GPU engine can take a minute.
         self._engine = await asyncio.to_thread(_warm_engine, config, model)
+        self._engine.time_gpu = tracing.enabled()  # the engine spans' raystream.gpu_ms
         cpu = self._engine.info.device == "cpu"
         self._executor = ThreadPoolExecutor(MAX_CONCURRENT_BATCHES, thread_name_prefix="engine")
         # crops decoded on the GPU (here, or in a Preprocess replica) stay there for the engine
@@ -137,7 +141,7 @@ class InferenceStage:
                 self._executor.shutdown(wait=False)
                 raise
         self._closed = False  # unloaded (close)
-        self._watch = StallWatch()  # the engine calls running (limits.engine_stall_timeout_s)
+        self._watch = StallWatch()  # the engine calls running (ENGINE_STALL_TIMEOUT_S)
         self._batching = BatchingConfig()
         self._refused: str | None = None  # the last user_config refused, and why
         self._metrics = InferenceMetrics()
@@ -261,6 +265,7 @@ class InferenceStage:
             queue_ms=max(g.queue_ms for g in scored),
             inference_ms=max(g.inference_ms for g in scored),
             batch_size=max(g.batch_size for g in scored),
+            gpu_ms=max(g.gpu_ms for g in scored),
         )
         return batch.replace(
             jobs=tuple(job.without_inputs() for job in batch.jobs),
@@ -295,6 +300,7 @@ class InferenceStage:
             queue_ms=max((r.started - queued) * 1000.0 for r in ran),
             inference_ms=max(r.inference_ms for r in ran),
             batch_size=max(r.batch_size for r in ran),
+            gpu_ms=max(r.gpu_ms for r in ran),
         )
 
     def _admit(
@@ -394,7 +400,7 @@ class InferenceStage:
         self._metrics.record_batch(len(pixels))
         bounds = itertools.accumulate((len(piece) for piece in pieces), initial=0)
         return [
-            _Ran(outputs.rows(lo, hi), start, inference_ms, len(pixels))
+            _Ran(outputs.rows(lo, hi), start, inference_ms, len(pixels), outputs.gpu_ms)
             for lo, hi in itertools.pairwise(bounds)
         ]
 

@@ -1,6 +1,7 @@
 """How long the GPU or engine work running now has run. A replica's health check
-(StageGroup.check_health) fails once a call has run past `limits.engine_stall_timeout_s`:
-the engine or the JPEG decoder is stuck (a hung GPU or runtime), and Serve replaces it."""
+(StageGroup.check_health) fails once a call has run past ENGINE_STALL_TIMEOUT_S
+(serve_app/tuning.py): the engine or the JPEG decoder is stuck (a hung GPU or runtime), and
+Serve replaces it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The wire under the stage ports (serve_app/transport/stage_port.py): calls between raystream's own
-processes as length-prefixed frames over one asyncio TCP connection per caller and replica,
+processes as length-prefixed frames over one asyncio connection per caller and replica (TCP,
+or the replica's Unix socket where the caller is on its node: serve_app/transport/unix_sockets.py),
 many calls in flight on it at once, answered in any order.
 
 Why not gRPC: both ends are raystream, the messages are bytes already
@@ -14,14 +15,16 @@ grpc.aio unary method (docs/performance.md).
     caller:    HMAC-SHA256(token, "caller" + both nonces)   ->   b"\\x01" (or closed)
     a call:    u64 id + u32 images + u64 length + the request bytes
     an answer: u64 id + u64 length + the answer bytes
+    a beat:    u64 2**64-1 + u64 0   (every BEAT_S while the replica holds calls)
 
 Both ends prove that they hold the application's stage token, and neither sends it: a
 listener at a stale address learns a MAC over nonces it will never see again, and a caller
 that replays one meets a fresh nonce. The caller sends nothing after its nonce to a replica
 that did not prove itself; the replica reads no call before the caller has. With Ray's TLS
-on (`RAY_USE_TLS`), the connection is TLS with Ray's certificates, verified both ways
-against Ray's CA (`tls_contexts`). `images` is what the call carries (the replica's load:
-load_board.py). The answer is whatever the handler returned.
+on (`RAY_USE_TLS`), a TCP connection is TLS with Ray's certificates, verified both ways
+against Ray's CA (`tls_contexts`); a Unix socket's is not (its bytes never leave the
+kernel). `images` is what the call carries (the replica's load: load_board.py). The answer
+is whatever the handler returned.
 """
 
 from __future__ import annotations
@@ -58,6 +61,23 @@ MAX_FRAME_BYTES = 1 << 30  # calls carry whole batches: tens of MB where request
 # Either way the calls fail with LinkDown within about 2 s and go to another replica.
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 1, 1, 1
 USER_TIMEOUT_S = 2
+# A Unix socket sends no more than its send buffer at once (wmem_default, 208 KiB on Linux),
+# and each part costs both event loops a wakeup. Calls of 8 crops (1.2 MB), one at a time,
+# on a 2-core CPU machine (bench/stage_link_local.py), per call against TCP to the node's
+# address: with that buffer 1.4-5x the latency and 1.7-2.9x the CPU; with 2 MiB granted
+# about even; with 8 MiB 0.55-0.8x the CPU. So the caller asks for UNIX_SEND_BUFFER_BYTES
+# and keeps the socket only where the kernel grants at least UNIX_MIN_SEND_BUFFER_BYTES
+# (Linux grants twice what is asked, up to twice net.core.wmem_max); else it calls by TCP.
+UNIX_SEND_BUFFER_BYTES = 4 << 20
+UNIX_MIN_SEND_BUFFER_BYTES = 2 << 20
+# A replica whose process hangs (stopped, or its loop stuck) while its host lives: the
+# kernel acknowledges the calls and answers the probes, so neither of the above fires. The
+# replica beats every BEAT_S on a connection while it holds calls; a caller that has heard
+# nothing for SILENT_S while a call waits drops the connection (LinkDown). Checked every
+# BEAT_S / 2: a hung replica costs a call at most SILENT_S + BEAT_S / 2 = 1.75 s.
+BEAT_S = 0.5
+SILENT_S = 1.5
+BEAT_ID = (1 << 64) - 1  # never a call's id: ids count from 0 on each connection
 
 Parts = Sequence[bytes | memoryview]  # a message's bytes, in pieces sent one after another
 Handler = Callable[[bytes, int], Awaitable[bytes | Parts]]
@@ -73,7 +93,7 @@ class LinkServer:
 
     def __init__(self, handler: Handler, token: bytes, tls: ssl.SSLContext | None = None) -> None:
         self._handler, self._token, self._tls = handler, token, tls
-        self._server: asyncio.Server | None = None
+        self._servers: list[asyncio.Server] = []
         self._connections: set[asyncio.StreamWriter] = set()
         self._calls: set[asyncio.Task] = set()
 
@@ -83,21 +103,31 @@ class LinkServer:
         tls = {"ssl": self._tls, "ssl_handshake_timeout": HELLO_TIMEOUT_S} if self._tls else {}
         for port in ports:
             try:
-                self._server = await asyncio.start_server(self._serve, host, port, **tls)
+                server = await asyncio.start_server(self._serve, host, port, **tls)
             except OSError as exc:
                 if exc.errno != errno.EADDRINUSE:
                     raise
                 continue
-            return self._server.sockets[0].getsockname()[1]
+            self._servers.append(server)
+            return server.sockets[0].getsockname()[1]
         raise OSError(errno.EADDRINUSE, f"no free port in {ports[0]}-{ports[-1]} on {host}")
+
+    async def start_unix(self, path: str) -> None:
+        """Listens on a Unix socket at `path` too, mode 0600, without TLS: its bytes never
+        leave the node's kernel (serve_app/transport/unix_sockets.py)."""
+        server = await asyncio.start_unix_server(self._serve, path)
+        self._servers.append(server)
+        os.chmod(path, 0o600)  # its directory is the user's alone (0700) meanwhile
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._connections.add(writer)
         _watch_peer(writer)
         calls: set[asyncio.Task] = set()
+        beating: asyncio.Task | None = None
         try:
             if not await self._accepted(reader, writer):
                 return
+            beating = asyncio.ensure_future(_beat(writer, calls))
             while True:
                 try:
                     call_id, images, length = CALL.unpack(await reader.readexactly(CALL.size))
@@ -116,6 +146,8 @@ class LinkServer:
         except (OSError, asyncio.IncompleteReadError):
             pass
         finally:
+            if beating is not None:
+                beating.cancel()
             for task in calls:  # nobody waits for these answers any more
                 task.cancel()
             writer.close()
@@ -142,9 +174,10 @@ class LinkServer:
 
     async def stop(self, grace_s: float) -> None:
         """No new connections; calls running get `grace_s` to answer, then are cancelled."""
-        if self._server is None:
+        if not self._servers:
             return
-        self._server.close()
+        for server in self._servers:
+            server.close()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
         # calls that arrive meanwhile are served too (callers learn of the stop a poll later)
@@ -155,7 +188,17 @@ class LinkServer:
         for writer in self._connections:  # each connection's reader ends, and its handler
             writer.close()
         with contextlib.suppress(asyncio.TimeoutError):  # 3.12: waits for those handlers
-            await asyncio.wait_for(self._server.wait_closed(), 1.0)
+            await asyncio.wait_for(
+                asyncio.gather(*(server.wait_closed() for server in self._servers)), 1.0
+            )
+
+
+async def _beat(writer: asyncio.StreamWriter, calls: set[asyncio.Task]) -> None:
+    """A beat every BEAT_S while `calls` run: the caller knows this process still runs."""
+    while not writer.transport.is_closing():
+        await asyncio.sleep(BEAT_S)
+        if calls and not writer.transport.is_closing():
+            writer.write(ANSWER.pack(BEAT_ID, 0))
 
 
 def deployment_key(token: str, deployment: str) -> bytes:
@@ -206,14 +249,25 @@ async def _answer(running: Awaitable[bytes], call_id: int, writer: asyncio.Strea
 
 class Link:
     """Calls to one LinkServer at `address` ("host:port") on one connection, made at the
-    first call; `call` raises LinkDown where the connection fails before the answer."""
+    first call; `call` raises LinkDown where the connection fails before the answer.
 
-    def __init__(self, address: str, token: bytes, tls: ssl.SSLContext | None = None) -> None:
+    `unix`: the server's Unix socket, for a server on this node: the connection goes there
+    (no TLS: it never leaves the kernel), or to `address` where the socket cannot be reached
+    (stale, removed, in another container's /tmp), as every later connection of the link
+    does."""
+
+    def __init__(
+        self, address: str, token: bytes, tls: ssl.SSLContext | None = None, unix: str = ""
+    ) -> None:
         self.address, self._token, self._tls = address, token, tls
+        self.unix = unix  # cleared where the socket failed
         self._ids = itertools.count()
         self._answers: dict[int, asyncio.Future[bytes]] = {}
+        self._sent_at: dict[int, float] = {}  # call id -> when it was sent (the watch)
+        self._heard = 0.0  # when the replica last sent a frame (an answer or a beat)
         self._writer: asyncio.StreamWriter | None = None
         self._reading: asyncio.Task | None = None
+        self._watching: asyncio.Task | None = None
         self._connecting = asyncio.Lock()
         self._closed = False
 
@@ -222,8 +276,10 @@ class Link:
             raise LinkDown(f"the link to {self.address} is closed")
         writer = self._writer or await self._connect()
         call_id = next(self._ids)
-        answer = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
         self._answers[call_id] = answer
+        self._sent_at[call_id] = loop.time()
         try:
             if writer.transport.is_closing():  # lost, and its reader has not seen it yet
                 raise LinkDown(f"the link to {self.address} broke")
@@ -233,9 +289,17 @@ class Link:
             return await answer
         finally:
             self._answers.pop(call_id, None)
+            self._sent_at.pop(call_id, None)
             if not answer.done():
                 answer.cancel()
             del answer  # else frame -> future -> exception -> traceback -> frame (the batch)
+
+    async def connect(self) -> None:
+        """Connects (and proves the token) now, not at the first call; LinkDown if it fails."""
+        if self._closed:
+            raise LinkDown(f"the link to {self.address} is closed")
+        if self._writer is None:
+            await self._connect()
 
     async def _connect(self) -> asyncio.StreamWriter:
         async with self._connecting:
@@ -251,12 +315,35 @@ class Link:
             def deadline() -> float:
                 return max(0.0, end - loop.time())
 
-            try:  # a host gone answers nothing: the kernel would retry for minutes
-                reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(host, int(port), ssl=self._tls), deadline()
-                )
-            except (OSError, asyncio.TimeoutError) as exc:
-                raise LinkDown(f"{unreachable}: {exc!r}") from exc
+            reader = writer = None
+            if self.unix:
+                try:
+                    reader, writer = await asyncio.wait_for(
+                        asyncio.open_unix_connection(self.unix), deadline()
+                    )
+                    granted = _grow_send_buffer(writer)
+                    if granted < UNIX_MIN_SEND_BUFFER_BYTES:
+                        writer.close()
+                        reader = writer = None
+                        raise OSError(
+                            f"a send buffer of {granted} bytes, under "
+                            f"{UNIX_MIN_SEND_BUFFER_BYTES} (raise net.core.wmem_max)"
+                        )
+                except (OSError, asyncio.TimeoutError) as exc:
+                    logger.warning(
+                        "cannot reach the stage socket %s (%r); calls go to %s by TCP",
+                        self.unix,
+                        exc,
+                        self.address,
+                    )
+                    self.unix = ""
+            if writer is None:
+                try:  # a host gone answers nothing: the kernel would retry for minutes
+                    reader, writer = await asyncio.wait_for(
+                        asyncio.open_connection(host, int(port), ssl=self._tls), deadline()
+                    )
+                except (OSError, asyncio.TimeoutError) as exc:
+                    raise LinkDown(f"{unreachable}: {exc!r}") from exc
             try:
                 accepted = await asyncio.wait_for(self._handshake(reader, writer), deadline())
             except BaseException as exc:  # cancelled too: the socket is not left open
@@ -274,7 +361,8 @@ class Link:
                 )
             _watch_peer(writer)
             self._writer = writer
-            self._reading = asyncio.ensure_future(self._read(reader))
+            self._reading = asyncio.ensure_future(self._read(reader, writer))
+            self._watching = asyncio.ensure_future(self._watch(writer))
             return writer
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
@@ -287,20 +375,43 @@ class Link:
         writer.write(_mac(self._token, b"caller", ours, theirs))
         return await reader.readexactly(1) == ACCEPTED
 
-    async def _read(self, reader: asyncio.StreamReader) -> None:
+    async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Hands each answer to its call; fails every call waiting once the connection ends."""
         reason = "the connection closed"
         try:
             while True:
                 call_id, length = ANSWER.unpack(await reader.readexactly(ANSWER.size))
+                self._heard = asyncio.get_running_loop().time()
+                if call_id == BEAT_ID:
+                    continue
                 answer = await reader.readexactly(length)
+                self._heard = asyncio.get_running_loop().time()
                 waiting = self._answers.get(call_id)
                 if waiting is not None and not waiting.done():
                     waiting.set_result(answer)
         except (asyncio.IncompleteReadError, OSError) as exc:
             reason = str(exc) or reason
         finally:
-            self._fail_all(f"the link to {self.address} broke: {reason}")
+            if self._writer in (writer, None):  # not a connection made since
+                self._fail_all(f"the link to {self.address} broke: {reason}")
+
+    async def _watch(self, writer: asyncio.StreamWriter) -> None:
+        """Drops the connection once a call has waited SILENT_S with nothing heard from the
+        replica (see SILENT_S); time spent still sending a call does not count."""
+        loop = asyncio.get_running_loop()
+        sending = 0.0  # when a call was last seen still being sent
+        while self._writer is writer:
+            await asyncio.sleep(BEAT_S / 2)
+            now = loop.time()
+            if writer.transport.get_write_buffer_size():
+                sending = now
+            if not self._sent_at:
+                continue
+            silent = now - max(self._heard, sending, min(self._sent_at.values()))
+            if silent > SILENT_S and self._writer is writer:
+                logger.warning("the stage port %s sent nothing for %.1f s", self.address, silent)
+                self._fail_all(f"the stage port {self.address} sent nothing for {silent:.1f} s")
+                return
 
     def _fail_all(self, reason: str) -> None:
         if self._writer is not None:
@@ -316,6 +427,8 @@ class Link:
         waiting = [answer for answer in self._answers.values() if not answer.done()]
         if waiting and grace_s > 0:
             await asyncio.wait(waiting, timeout=grace_s)
+        if self._watching is not None:
+            self._watching.cancel()
         if self._reading is not None:
             self._reading.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -324,10 +437,13 @@ class Link:
 
 
 def _watch_peer(writer: asyncio.StreamWriter) -> None:
-    """TCP keepalive and a user timeout on the connection (see KEEPALIVE_IDLE_S); options
-    the platform lacks are skipped."""
+    """TCP keepalive and a user timeout on a TCP connection (see KEEPALIVE_IDLE_S; options
+    the platform lacks are skipped); a Unix socket's send buffer grown instead."""
     sock = writer.get_extra_info("socket")
     if sock is None:
+        return
+    if sock.family == socket.AF_UNIX:  # its peer cannot vanish unseen: its kernel is this one
+        _grow_send_buffer(writer)
         return
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     options = [
@@ -339,3 +455,10 @@ def _watch_peer(writer: asyncio.StreamWriter) -> None:
     for name, value in options:
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def _grow_send_buffer(writer: asyncio.StreamWriter) -> int:
+    """Asks for UNIX_SEND_BUFFER_BYTES of send buffer; the bytes granted."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SEND_BUFFER_BYTES)
+    return sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)

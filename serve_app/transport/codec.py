@@ -52,7 +52,8 @@ _EXCEPTIONS: dict[str, type[Exception]] = {
     cls.__name__: cls
     for cls in (
         *(errors.InvalidArgument, errors.ModelNotFound, errors.DuplicateRequest),
-        *(errors.Overloaded, errors.DeadlineExceeded, errors.Unavailable, InvalidImage),
+        *(errors.Overloaded, errors.StageBusy, errors.DeadlineExceeded, errors.Unavailable),
+        InvalidImage,
         *(SharedImagesMissing, device_crops.CropsNotHere),
     )
 }

@@ -22,11 +22,13 @@ carry everything else (what is served, model lifecycle). A call goes by handle w
 the caller knows no address yet, and again by handle when the port fails before answering
 (the replica stopped: the address is dropped until its next report). The stages have no
 side effects, so a batch run twice is harmless. Calls over the port are not Serve requests:
-Serve's `max_ongoing_requests` does not bound them (the ingress' micro-batcher bounds its
-calls in flight, serve_app/core/dispatch.py), and Serve's autoscaler sees them only through
-raystream's policy (serve_app/pipeline/autoscaling.py), to which every replica reports the
-port's calls in its own stages. The port binds the node's address that Ray uses; both ends of
-a connection prove that they hold the application's stage token (a random secret that
+the port itself refuses a call while its replica holds the deployment's
+`max_ongoing_requests` calls (StageBusy; the caller tries another replica, else the handle),
+and Serve's autoscaler sees them only through raystream's policy
+(serve_app/pipeline/autoscaling.py), to which every replica reports the port's calls in its
+own stages. The port binds the node's address that Ray uses, and a Unix socket that callers
+on the replica's node (by Ray node id) use instead (serve_app/transport/unix_sockets.py);
+both ends of a connection prove that they hold the application's stage token (a random secret that
 build_app gives every replica) without sending it, and the replica reads no call before
 (serve_app/transport/call_link.py).
 """
@@ -34,14 +36,16 @@ build_app gives every replica) without sending it, and the replica reads no call
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from serve_app.core.messages import Batch
-from serve_app.errors import Code, cancelled_itself, code_for
+from serve_app.errors import Code, StageBusy, cancelled_itself, code_for
 from serve_app.models.registry import ModelRegistry
 from serve_app.observability.metrics import StageCallMetrics
 from serve_app.transport import codec, device_crops
@@ -54,6 +58,7 @@ from serve_app.transport.call_link import (
 )
 from serve_app.transport.load_board import LoadBoard, LoadSlot
 from serve_app.transport.shared_images import ImageReader, ImageWriter, SharedImagesMissing
+from serve_app.transport.unix_sockets import new_socket_path
 from serve_app.tuning import ADDRESS_POLL_S, CLOSE_GRACE_S, FIRST_BACKOFF_S, MAX_BACKOFF_S
 
 logger = logging.getLogger(__name__)
@@ -63,7 +68,11 @@ class StagePort:
     """A stage replica's own port for stage calls (serve_app/transport/call_link.py):
     `run(batch)` on its loop, then `then(result)` (the call to the next group) where given;
     the images a call brings count as this replica's load (serve_app/transport/load_board.py)
-    while `run` has them."""
+    while `run` has them.
+
+    `max_calls()`: the deployment's `max_ongoing_requests` now; a call that arrives while the
+    replica holds that many (over the port, and by handle as `handle_calls()` counts them)
+    is refused at once with StageBusy, and its caller sends it elsewhere. 0: no bound."""
 
     def __init__(
         self,
@@ -71,17 +80,25 @@ class StagePort:
         token: str,
         deployment: str,
         then: Callable[[Any], Awaitable[Any]] | None = None,
+        max_calls: Callable[[], int] = lambda: 0,
+        handle_calls: Callable[[], int] = lambda: 0,
     ) -> None:
         self._run, self._then = run, then
         self._token = deployment_key(token, deployment)
+        self._deployment = deployment
+        self._max_calls, self._handle_calls = max_calls, handle_calls
         self._server: LinkServer | None = None
         self._images = ImageReader()
         self._load: LoadSlot | None = None  # the images held, for callers on this node
         self.address = ""
+        self.unix = ""  # the Unix socket's path, for callers on this node ("": none)
         self.calls = 0  # calls answered (tests: the port, not the handle, carried them)
+        self.in_flight = 0  # calls over the port not answered yet
+        self.refused = 0  # calls refused as busy
 
     async def start(self, host: str, ports: Sequence[int] = (0,)) -> str:
-        """Listens on `host`, on the first free port of `ports` (the config's `stage_ports`)."""
+        """Listens on `host`, on the first free port of `ports` (the config's `stage_ports`),
+        and on a Unix socket for callers on this node where one can be made."""
         tls = tls_contexts()
         self._server = LinkServer(self._call, self._token, tls[0] if tls else None)
         try:
@@ -89,11 +106,33 @@ class StagePort:
         except OSError as exc:
             raise RuntimeError(f"cannot bind a stage port on {host}: {exc}") from exc
         self.address = f"{host}:{port}"
+        try:
+            path = new_socket_path()
+            await self._server.start_unix(path)
+            self.unix = path
+        except OSError as exc:
+            logger.warning(
+                "no Unix socket for the stage port %s (%s): callers on this node use TCP",
+                self.address,
+                exc,
+            )
         self._load = LoadSlot(self.address)
         return self.address
 
     async def _call(self, request: bytes, images: int) -> bytes:
         """The batch's result, or the exception the stage raised (re-raised by the caller)."""
+        bound = self._max_calls()
+        if bound and self.in_flight + self._handle_calls() >= bound:
+            self.refused += 1
+            busy = f"this {self._deployment} replica holds {bound} calls (max_ongoing_requests)"
+            return codec.dumps((False, StageBusy(busy)))
+        self.in_flight += 1
+        try:
+            return await self._answer(request, images)
+        finally:
+            self.in_flight -= 1
+
+    async def _answer(self, request: bytes, images: int) -> bytes:
         self._load.add(images)
         try:
             try:
@@ -128,6 +167,9 @@ class StagePort:
     async def stop(self, grace_s: float) -> None:
         if self._server is not None:
             await self._server.stop(grace_s)
+        if self.unix:
+            with contextlib.suppress(OSError):
+                os.unlink(self.unix)
         self._images.close()
         if self._load is not None:
             self._load.close()
@@ -138,7 +180,9 @@ class PortCalls:
 
     `fallback(batch)`: the same call through Serve's handle; `token`: the stage token;
     `node`: this process's node address, and `shared_bytes` of shared memory to hand images
-    to the replicas there (serve_app/transport/shared_images.py; 0: calls carry them)."""
+    to the replicas there (serve_app/transport/shared_images.py; 0: calls carry them);
+    `node_id`: this process's Ray node id: replicas reporting it are called over their Unix
+    sockets."""
 
     def __init__(
         self,
@@ -150,8 +194,11 @@ class PortCalls:
         shared_bytes: int = 0,
         metrics: StageCallMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        node_id: str = "",
     ) -> None:
         self._registry, self._deployment, self._fallback = registry, deployment, fallback
+        self._node_id = node_id
+        self._sockets: Mapping[str, str] = {}  # address -> Unix socket, replicas on this node
         self._metrics, self._clock = metrics, clock
         # address -> (when it may be called again, the delay that set it)
         self._backoff: dict[str, tuple[float, float]] = {}
@@ -168,7 +215,7 @@ class PortCalls:
         self._holds: Mapping[str, Collection[str]] = {}  # address -> model versions held
         self._refresh_task: asyncio.Task | None = None
         self._following = True  # reading the addresses (until the replica stops)
-        self._closing: set[asyncio.Task] = set()  # links closing, until they are closed
+        self._closing: set[asyncio.Task] = set()  # links closing or probed, until done
         self.by_handle = 0  # calls that went by handle (tests, logs)
 
     @property
@@ -200,6 +247,9 @@ class PortCalls:
                 if self._links.get(address) is link:  # not a link opened since
                     self._in_flight[address] -= images
             self._backoff.pop(address, None)
+            if not ok and isinstance(value, StageBusy):  # alive, full: another, or the handle
+                self._count("port", "busy")
+                continue
             self._count("port", "ok" if ok else "error")
             if not ok:
                 try:
@@ -308,21 +358,46 @@ class PortCalls:
         least = min(loads)
         return random.choice([a for a, n in zip(candidates, loads, strict=True) if n == least])
 
-    def update(self, ports: Mapping[str, Collection[str]]) -> None:
-        """The stage ports reported (address -> the model versions it holds): open links
-        to new addresses, close those no longer reported. The load files are mapped anew
+    def update(
+        self, ports: Mapping[str, Collection[str]], sockets: Mapping[str, str] | None = None
+    ) -> None:
+        """The stage ports reported (address -> the model versions it holds), and the Unix
+        sockets of those on this node (address -> path): open links to new addresses (or
+        to a new socket), close those no longer reported. The load files are mapped anew
         (a replica started since on an address of one that stopped has a file of its own)."""
-        self._holds = ports
+        sockets = sockets or {}
+        for address in [a for a in self._links if sockets.get(a, "") != self._sockets.get(a, "")]:
+            self._drop(address)  # another replica on that address: opened anew below
+        self._holds, self._sockets = ports, sockets
         self._board.close()
         now = self._clock()
         for address in [a for a, (until, _) in self._backoff.items() if a not in ports]:
             del self._backoff[address]  # no longer reported: nothing to come back to
         addresses = {a for a in ports if self._backoff.get(a, (0.0, 0.0))[0] <= now}
         for address in addresses - self._links.keys():
-            self._links[address] = Link(address, self._token, self._tls)
-            self._in_flight[address] = 0
+            link = self._links[address] = Link(
+                address, self._token, self._tls, self._sockets.get(address, "")
+            )
+            if address in self._backoff:  # it failed: no call waits on it before it answers
+                task = asyncio.ensure_future(self._probe(address, link))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+            else:
+                self._in_flight[address] = 0
         for address in self._links.keys() - addresses:
             self._drop(address)
+
+    async def _probe(self, address: str, link: Link) -> None:
+        """`address`, back from its backoff, takes calls once it connects and proves the
+        token; if it fails, its backoff doubles (a replica still cut off costs no call)."""
+        try:
+            await link.connect()
+        except LinkDown as exc:
+            if self._links.get(address) is link:
+                self._back_off(address, str(exc))
+            return
+        if self._links.get(address) is link:
+            self._in_flight[address] = 0
 
     def _drop(self, address: str) -> None:
         self._in_flight.pop(address, None)
@@ -336,10 +411,16 @@ class PortCalls:
     async def _refresh(self) -> None:
         while True:
             try:
-                self.update(await asyncio.to_thread(self._registry.ports, self._deployment))
+                self.update(*await asyncio.to_thread(self._read_ports))
             except Exception:  # a GCS hiccup must not stop following for good
                 logger.exception("reading the %s replicas' addresses failed", self._deployment)
             await asyncio.sleep(ADDRESS_POLL_S)
+
+    def _read_ports(self) -> tuple[dict[str, frozenset[str]], dict[str, str]]:
+        return (
+            self._registry.ports(self._deployment),
+            self._registry.sockets(self._deployment, self._node_id),
+        )
 
     def stop(self) -> None:
         """Stop reading the addresses, as the replica stops: no read runs into the process's

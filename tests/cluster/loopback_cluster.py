@@ -159,10 +159,15 @@ class LoopbackCluster:
             ],
         )
 
-    def add_node(self, name: str, num_cpus: int, resources: dict[str, float]) -> Node:
-        return self._start(name, num_cpus, resources, [f"--address={self.address}"])
+    def add_node(
+        self, name: str, num_cpus: int, resources: dict[str, float], env: dict | None = None
+    ) -> Node:
+        """A worker node; `env`: settings of its own processes (over this cluster's)."""
+        return self._start(name, num_cpus, resources, [f"--address={self.address}"], env)
 
-    def _start(self, name: str, num_cpus: int, resources: dict, extra: list[str]) -> Node:
+    def _start(
+        self, name: str, num_cpus: int, resources: dict, extra: list[str], env: dict | None = None
+    ) -> Node:
         index = len(self.nodes)
         log = self.root / f"{name}.log"
         argv = [
@@ -180,7 +185,11 @@ class LoopbackCluster:
         ]
         with log.open("w") as out:
             process = subprocess.Popen(
-                argv, env=self.env(), stdout=out, stderr=subprocess.STDOUT, cwd=self.root
+                argv,
+                env={**self.env(), **(env or {})},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.root,
             )
         node = Node(name, resources, process, log, index)
         self.nodes[name] = node

@@ -47,7 +47,6 @@ def port_server(ray_cluster, model_repository):
                 "topology": "chained",
                 "stage_ports": [9100, 9163],
                 "engine": {"kind": "echo", "options": {"delay_ms": 50}},
-                "max_calls_in_flight": 4,
             },
             "deployments": [
                 {"name": "Ingress", **SMALL},

@@ -1,6 +1,7 @@
 """Traces end to end: real Ray Serve (topology chained, stage calls over the replicas'
 ports), the real model and photos, and a real OTLP receiver: the collector's gRPC
-TraceService on a free loopback port, which the replicas export their spans to."""
+TraceService and MetricsService on a free loopback port, which the replicas export their
+spans and the ingress its latency histogram (with exemplars) to."""
 
 from __future__ import annotations
 
@@ -10,60 +11,28 @@ import time
 
 import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otlp_grpc
+from support import OtlpReceiver, until
 
 from clients.client import Client
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
 from raystream.v1 import classifier_pb2 as pb
+from serve_app.observability.metrics import LATENCY_MS
 
 from conftest import start_app
 
 pytestmark = pytest.mark.slow
 APP = "traced"
 STAGES = ("Preprocess", "Inference", "Postprocess")
+NAME = "raystream_request_duration_ms"  # the Prometheus histogram's name (Ray adds ray_)
 STAGE_SPANS = {f"raystream.stage {stage}" for stage in STAGES}
-
-
-class Receiver(otlp_grpc.TraceServiceServicer):
-    """Every span exported to it, with its process' `raystream.deployment` and pid."""
-
-    def __init__(self) -> None:
-        self.spans: list[dict] = []
-
-    async def Export(self, request: otlp.ExportTraceServiceRequest, context):
-        for resource_spans in request.resource_spans:
-            resource = {a.key: a.value for a in resource_spans.resource.attributes}
-            for scope in resource_spans.scope_spans:
-                for span in scope.spans:
-                    self.spans.append(
-                        {
-                            "name": span.name,
-                            "trace_id": span.trace_id.hex(),
-                            "span_id": span.span_id.hex(),
-                            "parent": span.parent_span_id.hex(),
-                            "deployment": resource["raystream.deployment"].string_value,
-                            "pid": resource["process.pid"].int_value,
-                            "attributes": {a.key: a.value for a in span.attributes},
-                        }
-                    )
-        return otlp.ExportTraceServiceResponse()
-
-    def trace(self, trace_id: str) -> list[dict]:
-        return [span for span in self.spans if span["trace_id"] == trace_id]
 
 
 @pytest.fixture(scope="module")
 async def receiver():
-    server = grpc.aio.server()
-    found = Receiver()
-    otlp_grpc.add_TraceServiceServicer_to_server(found, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    found.endpoint = f"127.0.0.1:{port}"
+    found = await OtlpReceiver().start()
     yield found
-    await server.stop(None)
+    await found.stop()
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +74,9 @@ def _traceparent(sampled: bool = True) -> tuple[str, str, str]:
     return f"00-{trace_id}-{span_id}-{'01' if sampled else '00'}", trace_id, span_id
 
 
-async def _until_trace(receiver: Receiver, trace_id: str, timeout_s: float = 60.0) -> list[dict]:
+async def _until_trace(
+    receiver: OtlpReceiver, trace_id: str, timeout_s: float = 60.0
+) -> list[dict]:
     """The trace once its last process' spans (Postprocess's) have come."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -197,3 +168,36 @@ async def test_unsampled_requests_export_nothing(traced_server, receiver, photos
     await _until_trace(receiver, marker)
     assert not receiver.trace(trace_id)
     assert {span["trace_id"] for span in receiver.spans[before:]} == {marker}
+
+
+async def test_a_sampled_request_latency_carries_its_trace_id_as_an_exemplar(
+    traced_server, receiver, photos
+) -> None:
+    """The ingress' latency histogram over OTLP: the Prometheus one's name and buckets, every
+    request counted, and a sampled request's trace id (its request span) as an exemplar;
+    unsampled requests (ratio 0) carry none."""
+    header, trace_id, _ = _traceparent()
+    request = pb.ClassifyRequest(images=[photos["coffee"]])
+    async with Client(traced_server) as client:
+        await client.classify_once(request)  # not sampled: counted, no exemplar
+        await client.classify_once(request, metadata=(("traceparent", header),))
+    spans = await _until_trace(receiver, trace_id)
+    (root,) = [span for span in spans if span["name"] == "raystream.request"]
+
+    def exemplar() -> tuple[dict, dict] | None:
+        for point in receiver.histogram(NAME):
+            for found in point["exemplars"]:
+                if found["trace_id"] == trace_id:
+                    return point, found
+        return None
+
+    await until(lambda: exemplar() is not None, timeout_s=30.0)
+    point, found = exemplar()
+    assert found["span_id"] == root["span_id"]
+    assert 0 < found["value"] <= (root["end_ns"] - root["start_ns"]) / 1e6
+    assert point["deployment"] == "Ingress"
+    assert point["bounds"] == LATENCY_MS
+    assert point["count"] >= 2 and sum(point["bucket_counts"]) == point["count"]
+    traced = {span["trace_id"] for span in receiver.spans}
+    every = {e["trace_id"] for p in receiver.histogram(NAME) for e in p["exemplars"]}
+    assert every <= traced  # only sampled requests leave exemplars

@@ -316,3 +316,55 @@ async def test_with_rays_tls_on_a_tap_on_the_link_sees_no_bytes_in_clear(
         await Link(address, TOKEN).call(b"x")
     relay.close()
     await server.stop(0)
+
+
+_SLOW_REPLICA = """
+import asyncio, sys
+from serve_app.transport.call_link import LinkServer
+
+async def main():
+    async def handler(request, images):
+        await asyncio.sleep(float(request))  # a call that takes this many seconds
+        return request
+    server = LinkServer(handler, sys.argv[1].encode())
+    print(await server.start("127.0.0.1"), flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_replica_process_that_hangs_fails_its_calls_within_the_silence_limit() -> None:
+    """A replica frozen with SIGSTOP while its host lives: its kernel still acknowledges the
+    call and answers TCP keepalive, so only the replica's beats tell: a call that takes
+    longer than SILENT_S is answered while they come, and one waiting on the frozen process
+    fails as LinkDown within SILENT_S + BEAT_S / 2, not when the registry drops it."""
+    import os
+    import signal
+    import sys
+
+    from conftest import ROOT
+
+    replica = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _SLOW_REPLICA, TOKEN.decode(), cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        port = int(await asyncio.wait_for(replica.stdout.readline(), 60))
+        link = Link(f"127.0.0.1:{port}", TOKEN)
+        slow = 2 * call_link.SILENT_S
+        assert await asyncio.wait_for(link.call(str(slow).encode()), 30) == str(slow).encode()
+        waiting = asyncio.ensure_future(link.call(b"30"))
+        await asyncio.sleep(0.2)
+        loop = asyncio.get_running_loop()
+        os.kill(replica.pid, signal.SIGSTOP)
+        stopped = loop.time()
+        with pytest.raises(LinkDown, match="sent nothing"):
+            await asyncio.wait_for(waiting, 10)
+        waited = loop.time() - stopped
+        assert waited <= call_link.SILENT_S + call_link.BEAT_S / 2 + 0.5, waited
+        await link.close()
+    finally:
+        os.kill(replica.pid, signal.SIGCONT)
+        replica.kill()
+        await replica.wait()

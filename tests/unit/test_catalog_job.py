@@ -65,8 +65,9 @@ def _run(store: ShardStore, inputs, fake: FakeEmbeddings, **options) -> EmbedJob
 
 
 def test_a_manifest_lists_images_as_text_csv_or_parquet(tmp_path) -> None:
-    paths = _images(tmp_path / "photos", 5)
-    names = [f"photos/{p.name}" for p in paths]  # relative to the manifest's folder
+    files = _images(tmp_path / "photos", 5)
+    paths = [str(p) for p in files]
+    names = [f"photos/{p.name}" for p in files]  # relative to the manifest's folder
     (tmp_path / "list.txt").write_text("\n".join(names) + "\n\n")
     with (tmp_path / "list.csv").open("w", newline="") as f:
         writer = csv.writer(f)

@@ -14,6 +14,7 @@ from support import until
 
 from raystream.v1 import classifier_pb2 as pb
 from serve_app.config import STAGES, AppConfig, EngineConfig
+from serve_app.core.dispatch_rule import DispatchSettings
 from serve_app.core.messages import Answer, Batch, Job
 from serve_app.core.serving import ServingCore
 from serve_app.pipeline.topology import StageGroup
@@ -42,13 +43,16 @@ async def core(model_repository) -> tuple[ServingCore, Chain]:
     config = AppConfig(
         model_repository=model_repository,
         engine=EngineConfig(kind="echo"),
-        max_calls_in_flight=1,
         limits={"max_in_flight_requests": 6},
     )
     groups = [await StageGroup.create(config, (stage,)) for stage in STAGES]
     chain = Chain(groups)
     chain.served = groups[1].info()
-    return ServingCore(config, chain.served, chain), chain
+    return ServingCore(config, chain.served, chain, settings=_one_call_at_a_time), chain
+
+
+def _one_call_at_a_time(fleet, engine) -> DispatchSettings:
+    return DispatchSettings(requests_per_call=64, calls_in_flight=1)
 
 
 def _submit(core: ServingCore, job: Job, budget_s: float | None = None) -> asyncio.Future:
@@ -139,7 +143,7 @@ class LosesReplicas:
 
 
 def _core_over(core: ServingCore, run: LosesReplicas) -> ServingCore:
-    return ServingCore(core._config, run.chain.served, run)
+    return ServingCore(core._config, run.chain.served, run, settings=_one_call_at_a_time)
 
 
 async def test_a_call_that_loses_a_stage_replica_is_sent_again(core, photos) -> None:
@@ -151,7 +155,7 @@ async def test_a_call_that_loses_a_stage_replica_is_sent_again(core, photos) -> 
         _submit(core, Job(id="coffee", images=(photos["coffee"],))),
     )
     assert [a.code for a in answers] == [0, 0]
-    # The same call again, then the next (max_calls_in_flight=1: "coffee" queued meanwhile)
+    # The same call again, then the next (one call at a time: "coffee" queued meanwhile)
     assert run.calls == [["cat"], ["cat"], ["coffee"]]
     assert core.requests_in_flight == 0
 
@@ -199,21 +203,15 @@ async def test_a_core_call_cancelled_itself_answers_its_requests(core, photos) -
     assert core.requests_in_flight == 0
 
 
-@pytest.mark.parametrize(("spread_min_images", "calls"), [(4, [1, 2, 2]), (0, [1, 4])])
+@pytest.mark.parametrize(("spread_images", "calls"), [(4, [1, 2, 2]), (0, [1, 4])])
 async def test_a_burst_goes_in_calls_over_the_free_slots(
-    core, photos, spread_min_images, calls
+    core, photos, spread_images, calls
 ) -> None:
-    """Requests of 2 images gathered while one call runs: with `spread_min_images` 4 they
+    """Requests of 2 images gathered while one call runs: with `spread_images` 4 they
     go in two calls of 4 images over the two free slots, otherwise in one call."""
     core, chain = core
-    config = core._config.model_copy(
-        update={
-            "max_calls_in_flight": 3,
-            "max_call_wait_s": 0.5,
-            "spread_min_images": spread_min_images,
-        }
-    )
-    core = ServingCore(config, chain.served, chain)
+    settings = DispatchSettings(64, 3, gather_s=0.5, spread_images=spread_images)
+    core = ServingCore(core._config, chain.served, chain, settings=lambda *_: settings)
     two = (photos["coffee"], photos["chelsea"])
     first = _submit(core, Job(id="first", images=two))
     await until(lambda: chain.calls == [1])  # held at the gate

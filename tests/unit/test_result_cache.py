@@ -13,6 +13,7 @@ from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.v1 import classifier_pb2 as pb
 from serve_app.config import STAGES, AppConfig, EngineConfig
 from serve_app.core import result_cache
+from serve_app.core.dispatch_rule import DispatchSettings
 from serve_app.core.messages import Answer, Batch, Job, OipOutput
 from serve_app.core.result_cache import ENTRY_OVERHEAD, ResultCache, image_keys
 from serve_app.core.serving import ServingCore
@@ -55,16 +56,19 @@ def _core(
     model_repository,
     enabled: bool,
     max_bytes: int = 1 << 20,
+    max_images_per_call: int = 0,
     **config_args: object,
 ):
+    """One call in flight at a time, of at most `max_images_per_call` images past its first
+    request (0: no bound)."""
     config = AppConfig(
         model_repository=model_repository,
-        max_calls_in_flight=1,
         cache={"max_bytes": max_bytes if enabled else 0},
         **config_args,
     )
     stages = Stages(group)
-    return ServingCore(config, group.info(), stages), stages
+    settings = DispatchSettings(64, 1, max_images=max_images_per_call)
+    return ServingCore(config, group.info(), stages, settings=lambda *_: settings), stages
 
 
 @pytest.fixture
@@ -171,7 +175,7 @@ async def test_v1_answers_from_the_cache_are_the_stages_answers(cached, uncached
 
 
 async def test_the_cache_under_a_call_bound_takes_streams_in_turn(group, model_repository, photos):
-    """With max_images_per_call (the CPU default sets 128), the dispatcher takes queued
+    """With a bound on the images a call carries (a CPU engine's: 128), the dispatcher takes queued
     requests stream by stream; under the cache what it queues are the requests' misses,
     which carry their request's stream too. A backlog of misses from two streams: every
     request answered."""

@@ -12,6 +12,7 @@ import pickle
 import weakref
 
 import pytest
+from support import until
 
 from serve_app.core.messages import Batch, Job
 from serve_app.errors import Code, ModelNotFound, code_for
@@ -569,8 +570,8 @@ async def test_a_replica_cut_off_costs_a_call_the_connect_timeout_then_waits_its
 ) -> None:
     """A replica alive but cut off (it reports, answers nothing): the call goes to another
     replica's port within the connect timeout, and the address is not picked again until
-    its backoff has passed, however often the registry reports it; each failure in a row
-    doubles the backoff."""
+    its backoff has passed, however often the registry reports it; then it is probed (a
+    connect, no call waits on it) and, still cut off, its backoff doubles."""
     monkeypatch.setattr(call_link, "CONNECT_TIMEOUT_S", 0.3)
     silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)  # never answers
     cut = f"127.0.0.1:{silent.sockets[0].getsockname()[1]}"
@@ -591,9 +592,12 @@ async def test_a_replica_cut_off_costs_a_call_the_connect_timeout_then_waits_its
     assert calls._backoff[cut] == (1.0, 1.0)  # tried once, then left alone
     clock.now = 1.0
     calls.update(registry.ports("Inference"))
-    assert cut in calls._links  # its backoff passed: tried again...
-    calls._in_flight[port.address] = 99  # ...first, now that r1 looks busy
+    assert cut in calls._links  # its backoff passed: tried again, by a connect...
+    calls._in_flight[port.address] = 99  # ...not a call, though r1 looks busy
+    started = loop.time()
     assert await calls.run(_batch()) == ["r1", "a"]
+    assert loop.time() - started < 0.2 and port.calls == 7
+    await until(lambda: cut not in calls._links)
     assert calls._backoff[cut] == (3.0, 2.0)  # failed again: twice as long
     await calls.close()
     await port.stop(0)
