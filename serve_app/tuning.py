@@ -74,6 +74,31 @@ HELLO_TIMEOUT_S = 10.0  # for a caller's handshake, on the replica
 # calls should go elsewhere soon (the kernel would retry the connect for minutes).
 CONNECT_TIMEOUT_S = 2.0
 
+# A peer whose host vanished or was cut off sends no reset: without these, calls waiting on
+# its connection would wait until its address left the registry. Idle for KEEPALIVE_IDLE_S
+# (a call waiting for its answer), the kernel probes and drops the connection after
+# KEEPALIVE_PROBES unanswered, KEEPALIVE_INTERVAL_S apart; data unacknowledged for
+# USER_TIMEOUT_S drops it too. The peer's kernel answers probes however busy the peer is.
+# Either way the calls fail with LinkDown within about 2 s and go to another replica.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 1, 1, 1
+USER_TIMEOUT_S = 2
+# A Unix socket sends no more than its send buffer at once (wmem_default, 208 KiB on Linux),
+# and each part costs both event loops a wakeup. Calls of 8 crops (1.2 MB), one at a time,
+# on a 2-core CPU machine (bench/stage_link_local.py), per call against TCP to the node's
+# address: with that buffer 1.4-5x the latency and 1.7-2.9x the CPU; with 2 MiB granted
+# about even; with 8 MiB 0.55-0.8x the CPU. So the caller asks for UNIX_SEND_BUFFER_BYTES
+# and keeps the socket only where the kernel grants at least UNIX_MIN_SEND_BUFFER_BYTES
+# (Linux grants twice what is asked, up to twice net.core.wmem_max); else it calls by TCP.
+UNIX_SEND_BUFFER_BYTES = 4 << 20
+UNIX_MIN_SEND_BUFFER_BYTES = 2 << 20
+# A replica whose process hangs (stopped, or its loop stuck) while its host lives: the
+# kernel acknowledges the calls and answers the probes, so neither of the above fires. The
+# replica beats every BEAT_S on a connection while it holds calls; a caller that has heard
+# nothing for SILENT_S while a call waits drops the connection (LinkDown). Checked every
+# BEAT_S / 2: a hung replica costs a call at most SILENT_S + BEAT_S / 2 = 1.75 s.
+BEAT_S = 0.5
+SILENT_S = 1.5
+
 # -- batching and decode on the GPU (serve_app/stages) -----------------------------------------
 
 # The most engine batches at once (an engine's `batches_at_once`): GPU engines hold this many

@@ -30,7 +30,7 @@ from loopback_cluster import (
 )
 
 from serve_app.models.registry import FRESH_S
-from serve_app.transport.call_link import BEAT_S, SILENT_S
+from serve_app.tuning import BEAT_S, SILENT_S
 
 from conftest import ROOT
 
