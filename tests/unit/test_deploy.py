@@ -490,3 +490,20 @@ def test_the_drain_follows_the_deployments_graceful_shutdown() -> None:
     assert drain_for(60.0) == 60.0 - DRAIN_MARGIN_S
     assert drain_for(8.0) == 4.0
     assert drain_for(None) == drain_timeout_s() == GRACEFUL_SHUTDOWN_S - DRAIN_MARGIN_S
+
+
+@pytest.mark.parametrize(("cpus", "threads"), [(None, 2), (0.5, 2), (2.0, 2), (2.5, 3), (12.0, 12)])
+def test_the_decode_threads_follow_the_replicas_num_cpus(monkeypatch, cpus, threads) -> None:
+    """A replica decodes on as many threads as the CPUs Ray gave it (ray_actor_options'
+    num_cpus, rounded up), at least 2 (one stays free for cheap images); outside Ray, 2."""
+    import ray
+
+    from serve_app.pipeline import topology
+
+    class Context:
+        def get_assigned_resources(self) -> dict[str, float]:
+            return {} if cpus is None else {"CPU": cpus}
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: cpus is not None)
+    monkeypatch.setattr(ray, "get_runtime_context", Context)
+    assert topology.decode_threads() == threads
