@@ -593,7 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--in-flight",
         type=count(),
         default=None,
-        help="requests outstanding (default 16 per connection)",
+        help="requests outstanding (default 64 per connection)",
     )
     p.add_argument(
         "--dtype",
