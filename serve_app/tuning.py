@@ -125,3 +125,29 @@ def drain_timeout_s(graceful_shutdown_timeout_s: float | None) -> float:
         GRACEFUL_SHUTDOWN_S if graceful_shutdown_timeout_s is None else graceful_shutdown_timeout_s
     )
     return max(graceful - DRAIN_MARGIN_S, graceful / 2)
+
+
+# -- the ingress' micro-batching (serve_app/core/dispatch.py, dispatch_rule.py) ----------------
+
+# Calls in flight, from all ingress replicas together, per replica of the deployment they call.
+CALLS_PER_CALLEE_REPLICA = 4
+# A GPU replica batches the images of several calls: at least this many calls in flight per
+# ingress replica keep its batches full while few replicas run.
+MIN_CALLS_GPU = 8
+# Requests a call carries at most: a call costs CPU whatever it carries, and on a GPU host
+# more, smaller calls in flight kept more replicas busy (32 against 64 a call: one-image
+# requests 1.12x the img/s; against 16: saturated 1.06x).
+REQUESTS_PER_CALL_CPU = 64
+REQUESTS_PER_CALL_GPU = 32
+# On a CPU engine, the images a call carries past its first request, in engine batches:
+# under a backlog, smaller calls end sooner and another stream's request goes sooner.
+BATCHES_PER_CALL_CPU = 2
+# A freed call slot waits this long for more requests while they arrive fast.
+GATHER_S = 0.003
+# A request that waited this long while every call stayed busy goes in an extra call.
+SPILL_AFTER_S = 0.02
+# How often the ingress reads the replica counts again.
+RETUNE_S = 1.0
+# Arrivals are counted over windows of this length: the last whole window's rate says
+# whether more requests are expected within GATHER_S.
+RATE_WINDOW_S = 0.1

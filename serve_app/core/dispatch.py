@@ -42,11 +42,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, Protocol, TypeVar
 
-logger = logging.getLogger(__name__)
+from serve_app import tuning
 
-# Arrivals are counted over windows of this length: the last whole window's rate says
-# whether more requests are expected within gather_s.
-RATE_WINDOW_S = 0.1
+logger = logging.getLogger(__name__)
 
 
 class Pending(Protocol):
@@ -131,7 +129,7 @@ class Dispatcher(Generic[P]):
             )
 
     def _count_arrival(self, now: float) -> None:
-        if now - self._window_start >= RATE_WINDOW_S:
+        if now - self._window_start >= tuning.RATE_WINDOW_S:
             self._rate = self._window_arrivals / (now - self._window_start)
             self._window_start, self._window_arrivals = now, 0
         self._window_arrivals += 1

@@ -9,7 +9,7 @@ without a restart. The load itself is met by the dispatcher: a call takes what q
 the others ran, a freed slot gathers for GATHER_S while requests arrive fast, a request that
 waited SPILL_AFTER_S goes in an extra call, and a burst spreads over free slots.
 
-The constants reproduce the settings measured on the shipped configs
+The constants (serve_app/tuning.py) reproduce the settings measured on the shipped configs
 (docs/performance.md#why-the-shipped-settings): on one GPU host, 32 requests a call, 8 calls
 in flight per ingress replica (6 ingress replicas, 12 Inference replicas: 4 calls per
 callee replica) and bursts spread in calls of one batch (64 images); on the 2-core CPU
@@ -24,27 +24,17 @@ import math
 import os
 from dataclasses import dataclass, field
 
-logger = logging.getLogger(__name__)
+from serve_app.tuning import (
+    BATCHES_PER_CALL_CPU,
+    CALLS_PER_CALLEE_REPLICA,
+    GATHER_S,
+    MIN_CALLS_GPU,
+    REQUESTS_PER_CALL_CPU,
+    REQUESTS_PER_CALL_GPU,
+    SPILL_AFTER_S,
+)
 
-# Calls in flight, from all ingress replicas together, per replica of the deployment they call.
-CALLS_PER_CALLEE_REPLICA = 4
-# A GPU replica batches the images of several calls: at least this many calls in flight per
-# ingress replica keep its batches full while few replicas run.
-MIN_CALLS_GPU = 8
-# Requests a call carries at most: a call costs CPU whatever it carries, and on a GPU host
-# more, smaller calls in flight kept more replicas busy (32 against 64 a call: one-image
-# requests 1.12x the img/s; against 16: saturated 1.06x).
-REQUESTS_PER_CALL_CPU = 64
-REQUESTS_PER_CALL_GPU = 32
-# On a CPU engine, the images a call carries past its first request, in engine batches:
-# under a backlog, smaller calls end sooner and another stream's request goes sooner.
-BATCHES_PER_CALL_CPU = 2
-# A freed call slot waits this long for more requests while they arrive fast.
-GATHER_S = 0.003
-# A request that waited this long while every call stayed busy goes in an extra call.
-SPILL_AFTER_S = 0.02
-# How often the ingress reads the replica counts again.
-RETUNE_S = 1.0
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from engines.base import EngineInfo
 from engines.scores import DEFAULT_TOP_K
 from serve_app.config import AppConfig
 from serve_app.core.dispatch import Dispatcher
-from serve_app.core.dispatch_rule import RETUNE_S, DispatchSettings, Fleet, dispatch_settings
+from serve_app.core.dispatch_rule import DispatchSettings, Fleet, dispatch_settings
 from serve_app.core.messages import Answer, Batch, Failure, Job, Served, copied
 from serve_app.core.result_cache import CachedRequests, Part, cacheable
 from serve_app.errors import (
@@ -46,7 +46,7 @@ from serve_app.models.registry import parse_model_name
 from serve_app.observability import tracing
 from serve_app.observability.metrics import IngressMetrics
 from serve_app.observability.tracing import RequestTrace
-from serve_app.tuning import MAX_REQUEST_ID_CHARS, STAGE_RETRIES
+from serve_app.tuning import MAX_REQUEST_ID_CHARS, RETUNE_S, STAGE_RETRIES
 from serve_app.wire.answers import answer_bytes_bound, failed, with_ingress_times
 
 logger = logging.getLogger(__name__)

@@ -173,9 +173,9 @@ class Clock:
 async def _burst_after_a_call(dispatcher, monkeypatch, spacing_s: float = 0.06) -> None:
     """One call in flight, then `spacing_s` on the dispatcher's clock: a window long enough
     to measure the arrivals' rate (one arrival in 60 ms: about 17 a second)."""
-    import serve_app.core.dispatch
+    import serve_app.tuning
 
-    monkeypatch.setattr(serve_app.core.dispatch, "RATE_WINDOW_S", 0.05)
+    monkeypatch.setattr(serve_app.tuning, "RATE_WINDOW_S", 0.05)
     dispatcher.submit(Item("a"))
     dispatcher._clock.now += spacing_s
     await _turns()

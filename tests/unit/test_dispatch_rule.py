@@ -15,9 +15,10 @@ from support import until
 from engines.base import EngineInfo
 from serve_app.config import AppConfig, deployment_name, groups
 from serve_app.core import serving
-from serve_app.core.dispatch_rule import GATHER_S, SPILL_AFTER_S, Fleet, dispatch_settings
+from serve_app.core.dispatch_rule import Fleet, dispatch_settings
 from serve_app.core.messages import Answer, Batch, Job, Served
 from serve_app.core.serving import ServingCore
+from serve_app.tuning import GATHER_S, SPILL_AFTER_S
 
 from conftest import ROOT
 
