@@ -221,9 +221,27 @@ def test_the_kuberay_service_turns_token_auth_on_and_keeps_ray_inside_the_cluste
     rules = policy["spec"]["ingress"]
     from_anyone = [r for r in rules if "from" not in r]
     assert [p["port"] for r in from_anyone for p in r["ports"]] == [9000]
-    dashboard = [r for r in rules if any(p["port"] == 8265 for p in r.get("ports", []))]
+    # Every rule names its ports: Ray's own are pinned alike on every pod, and only those
+    # (with the GCS and the dashboard) are open between the pods, beside the stage ports.
+    assert all(rule.get("ports") for rule in rules)
+    pins = [g["rayStartParams"] for g in groups]
+    keys = ("node-manager-port", "object-manager-port", "runtime-env-agent-port")
+    keys += ("dashboard-agent-grpc-port", "dashboard-agent-listen-port")
+    assert all({k: p[k] for k in keys} == {k: pins[0][k] for k in keys} for p in pins)
+    pinned = {6379, 8265, *(int(pins[0][k]) for k in keys)}
+    pinned |= set(range(int(pins[0]["min-worker-port"]), int(pins[0]["max-worker-port"]) + 1))
+    [ray_rule] = [r for r in rules if 6379 in _ports(r)]
+    assert _ports(ray_rule) == pinned
+    [stage_rule] = [r for r in rules if 9100 in _ports(r)]
+    assert _ports(stage_rule) == set(range(9100, 9164))
+    dashboard = [r for r in rules if r is not ray_rule and 8265 in _ports(r)]
     [operator] = dashboard[0]["from"]
     assert operator["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kuberay-operator"}
+
+
+def _ports(rule: dict) -> set[int]:
+    """The ports a NetworkPolicy rule admits."""
+    return {n for p in rule["ports"] for n in range(p["port"], p.get("endPort", p["port"]) + 1)}
 
 
 def _calls(app) -> tuple[str, list]:
