@@ -2,7 +2,8 @@
 each replica keeps a copy that a long poll keeps current.
 
     replica --put / delete (a write, when it changes)----------> RegistryActor
-    replica --put of an unchanged report (every HEARTBEAT_S)---> (renews it)
+    replica --put of an unchanged report (every HEARTBEAT_S)---> (renews it; answers the
+                                                                  store only if it changed)
     replica <--watch(version): the whole store once it changes-- (a call held up to WATCH_S)
 
 So a replica reads the state from memory, writes only what changed plus a heartbeat a
@@ -90,24 +91,44 @@ class RegistryActor:
                 break
         return self._snapshot()
 
-    async def put(self, key: str, value: bytes, overwrite: bool = True) -> tuple[bool, Snapshot]:
+    async def put(
+        self, key: str, value: bytes, overwrite: bool = True, known: tuple[str, int] | None = None
+    ) -> tuple[bool, Snapshot | None]:
+        """Writes `key`; the store for the writer's copy, or None where the write changed
+        nothing and `known` (the copy's epoch and version) is current: a heartbeat's answer
+        stays small however many replicas report."""
         self._calls["put"] += 1
-        version = self._store.version
+        version = self._expire_now()
         added = self._store.put(key, value, overwrite)
         if ephemeral(key):
             self._last_report = time.monotonic()
         elif self._store.version != version:
             _Gcs.put(key, value, True, namespace=NAMESPACE)
         self._notify(version)
-        return added, self._snapshot()
+        return added, self._answer(known, version)
 
-    async def delete(self, key: str) -> Snapshot:
+    async def delete(self, key: str, known: tuple[str, int] | None = None) -> Snapshot | None:
         self._calls["delete"] += 1
-        version = self._store.version
+        version = self._expire_now()
         self._store.delete(key)
         if not ephemeral(key) and self._store.version != version:
             _Gcs.delete(key, namespace=NAMESPACE)
         self._notify(version)
+        return self._answer(known, version)
+
+    def _expire_now(self) -> int:
+        """Drops the reports past their time (the watches told); the version after."""
+        version = self._store.version
+        self._store.expire()
+        self._notify(version)
+        return self._store.version
+
+    def _answer(self, known: tuple[str, int] | None, before: int) -> Snapshot | None:
+        if known is not None and tuple(known) == (self._epoch, before) == (
+            self._epoch,
+            self._store.version,
+        ):
+            return None  # nothing changed, and the writer's copy is current
         return self._snapshot()
 
     def _notify(self, version: int) -> None:
@@ -191,16 +212,23 @@ class ActorStore:
             if last is not None and last[0] == value and now - last[1] < HEARTBEAT_S:
                 return False  # renewed less than a heartbeat ago, and unchanged
             self._sent[key] = (value, now)
-        added, snapshot = ray.get(self._actor.put.remote(key, value, overwrite))
+        added, snapshot = ray.get(self._actor.put.remote(key, value, overwrite, self._known()))
         self._adopt(snapshot)
         return added
 
     def delete(self, key: str) -> None:
         self._sent.pop(key, None)
-        self._adopt(ray.get(self._actor.delete.remote(key)))
+        self._adopt(ray.get(self._actor.delete.remote(key, self._known())))
 
-    def _adopt(self, snapshot: Snapshot) -> None:
-        """Takes `snapshot` unless the copy is newer already (a watch and a write race)."""
+    def _known(self) -> tuple[str, int]:
+        with self._lock:
+            return self._epoch, self._version
+
+    def _adopt(self, snapshot: Snapshot | None) -> None:
+        """Takes `snapshot` unless the copy is newer already (a watch and a write race);
+        None: the copy is current."""
+        if snapshot is None:
+            return
         epoch, version, data = snapshot
         with self._lock:
             if epoch != self._epoch or version > self._version:

@@ -250,12 +250,14 @@ from serve_app.models.registry_actor import ActorStore
 
 @ray.remote(num_cpus=0)
 class Replicas:
-    """`n` registry clients in one process, each reporting as a stage replica would (the
-    same ActorStore and ModelRegistry, a report every 0.25 s, renewed once a second)."""
+    """`n` replicas' reports from one process, each as a stage replica makes it (the same
+    ModelRegistry, a report every 0.25 s, renewed once a second), over the process' one
+    ActorStore, as a replica's process has one."""
 
     def start(self, instance, n):
         self.names = [f"churn-{uuid.uuid4().hex[:8]}" for _ in range(n)]
-        self.registries = [ModelRegistry(ActorStore(instance), instance) for _ in range(n)]
+        store = ActorStore(instance)
+        self.registries = [ModelRegistry(store, instance) for _ in range(n)]
         threading.Thread(target=self._report, daemon=True).start()
         time.sleep(1.5)
         return self.names

@@ -137,3 +137,27 @@ async def test_two_hundred_replicas_gone_leave_only_the_live_and_the_desired_sta
     assert live.desired() == {"m/1": "serve"}
     gcs_after = sorted(internal_kv._internal_kv_list(instance, namespace=registry_actor.NAMESPACE))
     assert gcs_after == gcs_before and gcs_after  # the desired state's keys, nothing more
+
+
+async def test_a_renewal_that_changes_nothing_is_answered_without_the_store(instance) -> None:
+    """A heartbeat's answer is the store only where something changed or the writer's copy
+    is behind: 200 replicas renewing each second do not move 200 stores a second."""
+    import ray
+
+    first, second = _registry(instance), _registry(instance)
+    first.start(["m/1"])
+    second.start(["m/1"])
+    store = _stores[instance][0]
+    actor = ray.get_actor(actor_name(instance), namespace=registry_actor.NAMESPACE)
+    key, value = f"{instance}/report/Inference/r1", b'{"holds": ["m/1"], "failed": {}}'
+    added, snapshot = ray.get(actor.put.remote(key, value, True, store._known()))
+    assert added and snapshot is not None  # a change: the store comes back
+    store._adopt(snapshot)
+    added, snapshot = ray.get(actor.put.remote(key, value, True, store._known()))
+    assert not added and snapshot is None  # renewed, unchanged, the copy current
+    stale = (store._known()[0], store._known()[1] - 1)
+    assert ray.get(actor.put.remote(key, value, True, stale))[1] is not None  # a copy behind
+    known = store._known()
+    second.report("Inference", "r2", ["m/1"])  # another replica's change meanwhile
+    assert ray.get(actor.put.remote(key, value, True, known))[1] is not None
+    await until(lambda: "r2" in {r.replica for r in first.reports("Inference")}, 5)
