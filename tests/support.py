@@ -45,7 +45,7 @@ async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
     """Returns once `condition()` holds, polling the loop; TimeoutError after `timeout_s`."""
     async with asyncio.timeout(timeout_s):
         while not condition():
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0.001)  # polling
 
 
 ROOT = Path(__file__).resolve().parents[1]

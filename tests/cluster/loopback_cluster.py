@@ -210,7 +210,7 @@ class LoopbackCluster:
                     return
             except OSError:  # the dashboard is not up yet
                 pass
-            time.sleep(1.0)
+            time.sleep(1.0)  # polling
         raise TimeoutError(f"node {node.name} did not join within {timeout:.0f} s")
 
     def alive_nodes(self) -> list[dict]:
@@ -261,7 +261,7 @@ class LoopbackCluster:
                 return details
             if status in ("DEPLOY_FAILED", "UNHEALTHY"):
                 raise RuntimeError(f"{app} is {status}: {details.get('message')}")
-            time.sleep(1.0)
+            time.sleep(1.0)  # polling
         raise TimeoutError(f"{app} not RUNNING within {timeout:.0f} s (last: {status})")
 
     def replicas(self, app: str, deployment: str, state: str = "RUNNING") -> list[dict]:
@@ -302,7 +302,7 @@ class LoopbackCluster:
             shutil.rmtree(self.root, ignore_errors=True)
             if not self.root.exists():
                 break
-            time.sleep(1.0)
+            time.sleep(1.0)  # retrying
 
     def __enter__(self) -> LoopbackCluster:
         return self
@@ -440,7 +440,7 @@ def _kill_namespace_rest(grace_s: float = 5.0) -> None:
                 os.kill(pid, sig)
         give_up = time.monotonic() + grace_s
         while namespace_processes() and time.monotonic() < give_up:
-            time.sleep(0.2)
+            time.sleep(0.2)  # polling
 
 
 def listening_sockets() -> list[tuple[str, int, str]]:
@@ -519,7 +519,7 @@ def wait_for(check, timeout: float, every: float = 0.5, what: str = "condition")
         value = check()
         if value:
             return value
-        time.sleep(every)
+        time.sleep(every)  # polling
     raise TimeoutError(f"{what} not met within {timeout:.0f} s")
 
 

@@ -217,7 +217,7 @@ def test_a_node_whose_clock_is_60_s_ahead_serves_and_its_replica_expires_in_time
         "seen = []\n"
         "for _ in range(16):\n"
         "    seen.append(rid in reports('Inference'))\n"
-        "    time.sleep(0.5)\n"
+        "    time.sleep(0.5)  # sampling: a report seen each time\n"
         "print(json.dumps(seen))",
     )
     assert all(seen), seen
@@ -234,7 +234,7 @@ def test_a_node_whose_clock_is_60_s_ahead_serves_and_its_replica_expires_in_time
         "killed = time.monotonic()\n"
         "os.kill(pid, 9)\n"
         "while rid in reports('Inference'):\n"
-        "    time.sleep(0.1)\n"
+        "    time.sleep(0.1)  # polling\n"
         "print(json.dumps(time.monotonic() - killed))",
     )
     print("the skewed replica's report went", gone, "s after its SIGKILL")
@@ -259,14 +259,16 @@ class Replicas:
         store = ActorStore(instance)
         self.registries = [ModelRegistry(store, instance) for _ in range(n)]
         threading.Thread(target=self._report, daemon=True).start()
-        time.sleep(1.5)
+        reported = lambda: {r.replica for r in self.registries[0].reports("Inference")}
+        while not set(self.names) <= reported():
+            time.sleep(0.05)  # polling: every client has reported once
         return self.names
 
     def _report(self):
         while True:
             for name, registry in zip(self.names, self.registries):
                 registry.report("Inference", name, ["churn/1"], address=f"127.0.0.1:{1}")
-            time.sleep(0.25)
+            time.sleep(0.25)  # pacing: a report every 0.25 s
 
     def end(self, how):
         if how == "kill":
@@ -334,7 +336,7 @@ def test_after_200_replica_starts_and_stops_the_registry_holds_the_live_replicas
         cluster,
         f"actor = ray.get_actor('raystream-registry-{instance}', namespace='raystream')\n"
         "first = ray.get(actor.calls.remote())\n"
-        "time.sleep(10)\n"
+        "time.sleep(10)  # the window the calls are counted over\n"
         "last = ray.get(actor.calls.remote())\n"
         "print(json.dumps({k: last[k] - first.get(k, 0) for k in last}))",
     )

@@ -89,7 +89,7 @@ async def test_repeated_images_are_answered_from_the_cache(
         hits = await asyncio.to_thread(_hits, metrics_url)
         if hits - hits_before >= 6:
             break
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # polling
     assert hits - hits_before >= 6  # two photos, three times
 
 

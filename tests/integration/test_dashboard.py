@@ -124,5 +124,5 @@ async def test_every_metric_the_dashboard_asks_for_is_exported(
         with urllib.request.urlopen(metrics_url, timeout=10) as reply:
             missing = wanted - exported_names(reply.read().decode())
         if missing:
-            time.sleep(1)
+            time.sleep(1)  # polling the metrics endpoint
     assert not missing, f"the dashboard asks for metrics nobody exports: {sorted(missing)}"

@@ -56,7 +56,7 @@ async def _paced(requests: list[pb.ClassifyRequest], gap_s: float):
     that it did, so the tests check it: the first request ran alone (batch_size 1)."""
     for request in requests:
         yield request
-        await asyncio.sleep(gap_s)
+        await asyncio.sleep(gap_s)  # pacing
 
 
 async def test_a_request_past_its_timeout_is_answered_on_time_and_never_runs(

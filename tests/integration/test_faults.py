@@ -59,7 +59,7 @@ def _kill_replica(app: str, deployment: str) -> None:
             ray.get_actor(names[0], namespace="serve")
         except ValueError:
             return
-        time.sleep(0.1)
+        time.sleep(0.1)  # polling
     raise AssertionError(f"replica {names[0]} still alive 30 s after ray.kill")
 
 
@@ -86,7 +86,7 @@ async def test_killing_a_replica_loses_no_request(fault_server, photos) -> None:
                 return
             after_kill.add(str(i))
             yield pb.ClassifyRequest(request_id=str(i), images=[photos["chelsea"]])
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # pacing
 
     responses = []
     async with Client(address) as client:

@@ -70,7 +70,7 @@ async def test_a_client_that_stops_reading_stops_the_server_reading_its_stream(
         call = pb_grpc.ImageClassifierStub(channel).Classify(requests())
         started, stable = -1, 0
         while stable < 10:  # the count of requests the server took, still for 2 s
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)  # polling: the count must hold still
             now = await handle.requests_started.remote() - before
             stable, started = (stable + 1, now) if now == started else (0, now)
         assert started < 200, f"the server took {started} of {sent} requests"

@@ -12,7 +12,7 @@ import time
 
 import grpc
 import pytest
-from support import CONTROL_METADATA, model_control
+from support import CONTROL_METADATA, model_control, until
 
 from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.oip import grpc_predict_v2_pb2_grpc as oip_grpc
@@ -46,7 +46,7 @@ class Load:
         while not self.stop.is_set():
             yield make(self.sent)
             self.sent += 1
-            await asyncio.sleep(PERIOD_S)
+            await asyncio.sleep(PERIOD_S)  # pacing
 
     async def oip(self, stub, photo: bytes, version: str) -> None:
         call = stub.ModelStreamInfer(self.requests(lambda i: oip_request(i, photo, version)))
@@ -89,7 +89,7 @@ async def test_version_migration_loses_no_request_and_never_switches(
                 asyncio.create_task(default.v1(v1, photo)),
                 asyncio.create_task(pinned_old.oip(repository, photo, old)),
             ]
-            await asyncio.sleep(2)
+            await until(lambda: min(len(default.answers), len(pinned_old.answers)) > 20, 120)
             policy = {"version_policy": {"specific": {"versions": [int(old), int(new)]}}}
             await repository.RepositoryModelLoad(
                 oip.RepositoryModelLoadRequest(
@@ -103,12 +103,13 @@ async def test_version_migration_loses_no_request_and_never_switches(
             ready = await repository.ModelReady(oip.ModelReadyRequest(name=MODEL, version=new))
             assert ready.ready
             tasks.append(asyncio.create_task(pinned_new.oip(repository, photo, new)))
-            await asyncio.sleep(2)
+            await until(lambda: len(pinned_new.answers) > 20, 120)
             await repository.RepositoryModelUnload(
                 oip.RepositoryModelUnloadRequest(model_name=f"{MODEL}/{old}"),
                 metadata=CONTROL_METADATA,
             )
-            await asyncio.sleep(2)
+            # pinned to the unloaded version: NOT_FOUND from now on
+            await until(lambda: any(a.error_message for a in pinned_old.answers.values()), 120)
             for load in (default, pinned_old, pinned_new):
                 load.stop.set()
             await asyncio.wait_for(asyncio.gather(*tasks), 60)

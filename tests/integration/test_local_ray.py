@@ -119,7 +119,7 @@ class Server:
             if line is not None:
                 return line
             assert self.process.poll() is None, f"raystream serve exited:\n{self.output[-4000:]}"
-            time.sleep(0.5)
+            time.sleep(0.5)  # polling the server's output
         raise AssertionError(f"no {text!r} after {timeout} s:\n{self.output[-4000:]}")
 
     def stop(self) -> int:

@@ -81,7 +81,7 @@ async def test_calls_over_the_ports_scale_the_deployment(port_server, photos) ->
             assert response.error.code == 0
             if await inference.port_calls.remote():
                 break
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(0.25)  # polling
     before = await inference.port_calls.remote()
     assert before > 0
     preprocess = serve.get_deployment_handle("Preprocess", app_name=APP)
@@ -99,9 +99,12 @@ async def test_calls_over_the_ports_scale_the_deployment(port_server, photos) ->
     stop = asyncio.Event()
     loads = [asyncio.create_task(load(stop)) for _ in range(4)]
     try:
-        # The load goes over the port: 2 s in (no second replica can run before the 3 s
-        # upscale delay), the one replica has answered calls over its port since.
-        await asyncio.sleep(2)
+        # The load goes over the port: the one replica answers calls over its port (no
+        # second replica can run before the 3 s upscale delay).
+        for _ in range(200):
+            if await inference.port_calls.remote() >= before + 5:
+                break
+            await asyncio.sleep(0.05)  # polling
         assert await inference.port_calls.remote() >= before + 5
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 120
@@ -110,7 +113,7 @@ async def test_calls_over_the_ports_scale_the_deployment(port_server, photos) ->
             for task in loads:
                 if task.done():
                     task.result()  # a failed load fails the test with its own error
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # polling
         # Serve counts only handle calls as Inference's requests: none came meanwhile, so
         # the scale-up was the policy's, on the calls over the port.
         assert await preprocess.handle_calls.remote() == by_handle

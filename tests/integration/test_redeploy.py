@@ -91,7 +91,7 @@ class Traffic:
                 return
             self.sent.append(f"r{i}")
             yield pb.ClassifyRequest(request_id=f"r{i}", images=[self._image])
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.02)  # pacing
 
     async def _run(self) -> None:
         async with Client(self._address, **self._options) as client:
@@ -103,7 +103,7 @@ class Traffic:
 
     async def answered(self, count: int) -> None:
         while sum(map(len, self.answers.values())) < count:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # polling
 
     async def ended(self, timeout: float) -> None:
         await asyncio.wait_for(self._task, timeout)
@@ -137,7 +137,7 @@ async def test_user_config_change_applies_to_the_running_replica(
     for _ in range(100):
         if (await inference.batching.remote())["max_batch_size"] == 2:
             break
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # polling
     batching = await inference.batching.remote()
     assert batching["max_batch_size"] == 2 and batching["max_queued_images"] == 2048
     assert await inference.replica_id.remote() == replica  # reconfigured, not restarted
@@ -164,7 +164,7 @@ async def test_a_user_config_the_engine_cannot_take_is_refused_and_the_replica_k
     for _ in range(100):
         if (await inference.batching.remote())["refused"]:
             break
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # polling
     batching = await inference.batching.remote()
     assert "max_batch_size must be at most the engine's 64, got 1000" in batching["refused"]
     assert batching["max_batch_size"] == before["max_batch_size"]

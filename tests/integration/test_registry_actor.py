@@ -69,7 +69,7 @@ async def test_steady_state_costs_a_replica_one_call_a_second_and_a_gone_one_exp
         for number, replica in enumerate(replicas):
             await asyncio.to_thread(replica.report, "Inference", f"r{number}", ["m/1"])
             assert replica.desired() == {"m/1": "serve"}  # a read: from the copy
-        await asyncio.sleep(0.25)
+        await asyncio.sleep(0.25)  # pacing: a replica's reports
     after = ray.get(actor.calls.remote())
     calls = {name: after.get(name, 0) - before.get(name, 0) for name in after}
     per_replica_s = sum(calls.values()) / len(replicas) / seconds
@@ -82,7 +82,7 @@ async def test_steady_state_costs_a_replica_one_call_a_second_and_a_gone_one_exp
     while len(replicas[0].reports("Inference")) > 1:  # r2 stopped reporting: it expires
         await asyncio.to_thread(replicas[0].report, "Inference", "r0", ["m/1"])
         assert time.monotonic() - started < FRESH_S + 3
-        await asyncio.sleep(0.25)
+        await asyncio.sleep(0.25)  # pacing: r0's reports go on
     assert [report.replica for report in replicas[0].reports("Inference")] == ["r0"]
 
 
@@ -132,7 +132,7 @@ async def test_two_hundred_replicas_gone_leave_only_the_live_and_the_desired_sta
     while len(live.reports("Inference")) != 1:
         await asyncio.to_thread(live.report, "Inference", "live", ["m/1"])
         assert time.monotonic() - started < FRESH_S + 5
-        await asyncio.sleep(0.25)
+        await asyncio.sleep(0.25)  # pacing: live's reports go on
     assert [report.replica for report in live.reports("Inference")] == ["live"]
     assert live.desired() == {"m/1": "serve"}
     gcs_after = sorted(internal_kv._internal_kv_list(instance, namespace=registry_actor.NAMESPACE))

@@ -357,7 +357,7 @@ async def test_a_client_that_disconnects_leaves_no_work_behind(server, photos, r
     for _ in range(100):  # poll: cancelled work drains without a fixed sleep
         if await ingress.requests_in_flight.remote() == 0:
             break
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # polling
     assert await ingress.requests_in_flight.remote() == 0
     # The server goes on serving others.
     (response,) = await _stream(server, [pb.ClassifyRequest(images=[photos["coffee"]])])
@@ -384,7 +384,7 @@ async def test_stage_calls_travel_as_configured(server, photos, request) -> None
         counts = [await handle.port_calls.remote() for handle in handles]
         if calls != "port" or all(counts):
             break
-        await asyncio.sleep(0.25)
+        await asyncio.sleep(0.25)  # polling
     assert all(counts) if calls == "port" else not any(counts), counts
     if calls == "port" and shutil.disk_usage(shared_images.SHM_DIR).total >= 128 << 20:
         owners = {  # the processes whose segments are in /dev/shm: the ingress replica's
@@ -446,7 +446,7 @@ async def test_prometheus_metrics_move(server, photos, metrics_url) -> None:
         now = counts(await asyncio.to_thread(scrape))
         if moved(now):
             break
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # polling
     deltas = {key: now[key] - before[key] for key in now}
     assert moved(now), deltas
 
@@ -468,7 +468,7 @@ async def test_failed_requests_are_logged_as_json_with_request_and_stream_ids(se
         ]
         if lines:
             break
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # polling
     assert lines, f"no log line for request 'log-me' under {logs}"
     record = json.loads(lines[-1][lines[-1].index("{") :])
     assert record["event"] == "raystream.request" and record["failed_images"] == 1
@@ -492,7 +492,7 @@ async def test_raystreams_own_log_lines_reach_the_replicas_serve_logs(server) ->
         ]
         if lines:
             break
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # polling
     assert lines, f"no 'model ... loaded' line under {logs}"
 
 

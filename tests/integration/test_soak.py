@@ -54,7 +54,7 @@ async def _open_loop_stream(address, image, rate, until, answers, sent_at, index
         next_at = time.perf_counter()
         for i in range(1 << 30):
             next_at += rng.expovariate(rate)
-            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))  # pacing
             if time.perf_counter() >= until:
                 return
             request_id = f"{index}-{i}"
@@ -89,7 +89,7 @@ async def test_three_times_capacity_for_a_while(soak_server, photos) -> None:
     )
     memory: list[tuple[int, int]] = []
     while not load.done():
-        await asyncio.sleep(5.0)
+        await asyncio.sleep(5.0)  # sampling period
         if time.perf_counter() - start >= WARMUP_S:
             memory.append(
                 (await ingress.memory_bytes.remote(), await inference.memory_bytes.remote())

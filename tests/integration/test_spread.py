@@ -134,7 +134,7 @@ async def test_a_failing_replica_answers_its_own_requests_and_a_new_connection_g
         async def paced():  # at most 4 in flight: requests are still to come when a fails
             for request in _requests(30):
                 while len(answered) < int(request.request_id) - 4:
-                    await asyncio.sleep(0.001)
+                    await asyncio.sleep(0.001)  # polling: pacing by answers
                 yield request
 
         async with Client(address, connections=2, resends=resends) as client:
@@ -172,7 +172,7 @@ async def test_one_connection_carries_on_over_a_new_one_when_its_replica_goes(
     async def requests():
         for request in _requests(20):
             while paced and len(answered) < int(request.request_id) - 4:
-                await asyncio.sleep(0.001)
+                await asyncio.sleep(0.001)  # polling: pacing by answers
             yield request
 
     try:
@@ -221,7 +221,7 @@ async def test_requests_go_to_the_stream_with_fewest_unanswered() -> None:
     async def requests():
         for i in range(20):
             while answered < i - 1:  # one answered before the next goes out
-                await asyncio.sleep(0)
+                await asyncio.sleep(0)  # yields to the loop
             yield pb.ClassifyRequest(request_id=str(i))
             if i == 19:
                 gate.set()
@@ -429,11 +429,11 @@ async def test_one_stream_over_two_direct_replicas_outlives_their_redeploy(
             sent.append(str(len(sent)))
             images = [b"not an image", photos["chelsea"]] if len(sent) % 5 == 0 else []
             yield pb.ClassifyRequest(request_id=sent[-1], images=images or [photos["coffee"]])
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # pacing
 
     async def answered_ok(count: int) -> None:
         while sum(codes == [0] for codes in answers.values()) < count:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # polling
 
     try:
         async with Client(f"127.0.0.1:{port}", connections=2) as client:

@@ -65,7 +65,7 @@ async def over_ports(traced_server, photos) -> str:
             await client.classify_once([photos["coffee"]])
             if await postprocess.port_calls.remote():
                 return traced_server
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(0.25)  # polling
     raise AssertionError("the stage calls never went over the ports")
 
 
@@ -84,7 +84,7 @@ async def _until_trace(
         names = {span["name"] for span in spans}
         if names >= STAGE_SPANS and "raystream.request" in names and "raystream.answer" in names:
             return spans
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # polling
     raise AssertionError(f"trace {trace_id} incomplete: {sorted(s['name'] for s in spans)}")
 
 

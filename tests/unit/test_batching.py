@@ -32,7 +32,7 @@ async def test_requests_queued_while_busy_form_one_batch() -> None:
     first = asyncio.create_task(batcher.submit([1]))
     await engine.started.wait()  # the engine is now busy with [1]
     rest = [asyncio.create_task(batcher.submit([2] * n)) for n in (3, 4, 5)]
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # yields to the loop
     engine.gate.set()
     results = await asyncio.gather(first, *rest)
     assert [r for r, _ in results] == [1, 6, 8, 10]
@@ -48,7 +48,7 @@ async def test_cancelled_requests_never_reach_the_engine() -> None:
     await engine.started.wait()
     doomed = asyncio.create_task(batcher.submit([7, 7]))
     kept = asyncio.create_task(batcher.submit([5]))
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # yields to the loop
     doomed.cancel()
     engine.gate.set()
     assert (await first)[0] == 1 and (await kept)[0] == 5
@@ -81,7 +81,7 @@ async def test_full_queue_rejects_at_once() -> None:
     running = asyncio.create_task(batcher.submit([1]))
     await engine.started.wait()
     queued = asyncio.create_task(batcher.submit([1, 1, 1, 1]))
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # yields to the loop
     with pytest.raises(Overloaded, match="queue is full"):
         await batcher.submit([1])
     engine.gate.set()
@@ -110,7 +110,7 @@ async def _loop_turns(count: int = 20) -> None:
     """Let every ready task run `count` times: far more than a free worker needs to take a
     queued request to the engine (one or two)."""
     for _ in range(count):
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # yields to the loop
 
 
 async def test_closing_fails_every_request_queued_or_running() -> None:
@@ -122,7 +122,7 @@ async def test_closing_fails_every_request_queued_or_running() -> None:
     running = asyncio.create_task(batcher.submit([1]))
     await engine.started.wait()
     queued = [asyncio.create_task(batcher.submit([2])) for _ in range(3)]
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # yields to the loop
     await batcher.close()
     for task in [running, *queued]:
         with pytest.raises(Unavailable, match="unloaded"):
@@ -166,7 +166,7 @@ async def test_concurrent_batches_change_at_run_time() -> None:
         nonlocal running, most
         running += 1
         most = max(most, running)
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # simulated engine work
         running -= 1
         return items
 

@@ -117,9 +117,9 @@ def test_the_host_probe_sees_a_stall_of_the_machine_as_a_late_wake_up() -> None:
     start = time.time() + 3.0  # after the probe's start and calibration, on a busy machine too
     window = ["--start", str(start), "--end", str(start + 1.0)]
     child = subprocess.Popen([sys.executable, str(probe), *window], stdout=subprocess.PIPE)
-    time.sleep(max(start + 0.3 - time.time(), 0))
+    time.sleep(max(start + 0.3 - time.time(), 0))  # not a sync: into the probe's window
     child.send_signal(signal.SIGSTOP)
-    time.sleep(0.2)
+    time.sleep(0.2)  # the stall the probe is to see
     child.send_signal(signal.SIGCONT)
     report = json.loads(child.communicate(timeout=30)[0])
     assert report["wake_late_ms"]["max"] >= 150

@@ -26,7 +26,7 @@ async def test_many_calls_on_one_link_are_answered_each_by_its_own_answer() -> N
 
     async def handler(request: bytes, images: int) -> bytes:
         seen.append(images)
-        await asyncio.sleep(0.05 * (len(request) % 3))
+        await asyncio.sleep(0.05 * (len(request) % 3))  # simulated work: answers out of order
         return request * 2
 
     server, address = await _server(handler)
@@ -41,14 +41,17 @@ async def test_many_calls_on_one_link_are_answered_each_by_its_own_answer() -> N
 
 
 async def test_a_replica_that_stops_fails_the_calls_waiting_and_a_closed_link_refuses() -> None:
+    arrived = asyncio.Event()
+
     async def handler(request: bytes, images: int) -> bytes:
-        await asyncio.sleep(10)
+        arrived.set()
+        await asyncio.sleep(10)  # simulated work, past the stop's grace
         return request
 
     server, address = await _server(handler)
     link = Link(address, TOKEN)
     waiting = asyncio.ensure_future(link.call(b"x"))
-    await asyncio.sleep(0.1)
+    await asyncio.wait_for(arrived.wait(), 5)
     await server.stop(0.05)  # its grace runs out
     with pytest.raises(LinkDown):
         await asyncio.wait_for(waiting, 5)
@@ -60,25 +63,29 @@ async def test_a_replica_that_stops_fails_the_calls_waiting_and_a_closed_link_re
 
 
 async def test_a_stopping_replica_lets_calls_in_flight_finish_within_its_grace() -> None:
+    arrived = asyncio.Event()
+
     async def handler(request: bytes, images: int) -> bytes:
-        await asyncio.sleep(0.2)
+        arrived.set()
+        await asyncio.sleep(0.2)  # simulated work, within the stop's grace
         return request
 
     server, address = await _server(handler)
     link = Link(address, TOKEN)
     waiting = asyncio.ensure_future(link.call(b"x"))
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(arrived.wait(), 5)
     await server.stop(5)
     assert await waiting == b"x"
     await link.close()
 
 
 async def test_a_wrong_token_is_refused_and_a_caller_cancelled_leaves_the_link_working() -> None:
-    gate = asyncio.Event()
+    gate, late = asyncio.Event(), asyncio.Event()
 
     async def handler(request: bytes, images: int) -> bytes:
         if request == b"wait":
             await gate.wait()
+            late.set()  # its answer is written as this returns: before any later call's
         return request
 
     server, address = await _server(handler)
@@ -89,7 +96,7 @@ async def test_a_wrong_token_is_refused_and_a_caller_cancelled_leaves_the_link_w
         await asyncio.wait_for(link.call(b"wait"), 0.1)
     assert await link.call(b"next") == b"next"
     gate.set()
-    await asyncio.sleep(0.05)  # the cancelled call's late answer is dropped
+    await asyncio.wait_for(late.wait(), 5)  # the cancelled call's late answer, to be dropped
     assert await link.call(b"again") == b"again"
     await link.close()
     await server.stop(0)
@@ -101,7 +108,7 @@ async def test_a_handler_that_raises_breaks_its_link_rather_than_leave_a_call_un
     async def handler(request: bytes, images: int) -> bytes:
         if request == b"bug":
             raise RuntimeError("a bug")
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # simulated work: in flight when its neighbour raises
         return request
 
     server, address = await _server(handler)
@@ -120,16 +127,19 @@ async def test_a_handler_that_raises_breaks_its_link_rather_than_leave_a_call_un
 async def test_a_stopping_replica_serves_the_calls_sent_during_its_grace() -> None:
     """Callers learn of a stop a poll later: what they send meanwhile is served, not cut."""
 
+    arrived = asyncio.Event()
+
     async def handler(request: bytes, images: int) -> bytes:
-        await asyncio.sleep(0.3)
+        arrived.set()
+        await asyncio.sleep(0.3)  # simulated work: the stop waits for it
         return request
 
     server, address = await _server(handler)
     link = Link(address, TOKEN)
     first = asyncio.ensure_future(link.call(b"first"))
-    await asyncio.sleep(0.1)
+    await asyncio.wait_for(arrived.wait(), 5)
     stopping = asyncio.ensure_future(server.stop(5))
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0)  # the stop's first step runs: no new connections, grace begun
     assert await link.call(b"during") == b"during"
     assert await first == b"first"
     await stopping
@@ -146,7 +156,7 @@ async def test_a_connection_reset_under_load_answers_every_call_or_fails_it_as_l
         if request == b"reset":
             for writer in list(server._connections):
                 writer.transport.abort()
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # simulated work: calls overlap the reset
         return request
 
     server, address = await _server(handler)
@@ -173,7 +183,7 @@ async def test_a_port_that_never_answers_the_token_fails_the_call_in_time(monkey
 
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         held.append(writer)
-        await asyncio.sleep(5)
+        await asyncio.sleep(5)  # holds the connection, silent
 
     mute = await asyncio.start_server(silent, "127.0.0.1", 0)
     address = f"127.0.0.1:{mute.sockets[0].getsockname()[1]}"
@@ -324,11 +334,12 @@ from serve_app.transport.call_link import LinkServer
 
 async def main():
     async def handler(request, images):
+        print(request.decode(), flush=True)  # the call arrived
         await asyncio.sleep(float(request))  # a call that takes this many seconds
         return request
     server = LinkServer(handler, sys.argv[1].encode())
     print(await server.start("127.0.0.1"), flush=True)
-    await asyncio.sleep(3600)
+    await asyncio.sleep(3600)  # serves until the test kills it
 
 asyncio.run(main())
 """
@@ -354,8 +365,9 @@ async def test_a_replica_process_that_hangs_fails_its_calls_within_the_silence_l
         link = Link(f"127.0.0.1:{port}", TOKEN)
         slow = 2 * call_link.SILENT_S
         assert await asyncio.wait_for(link.call(str(slow).encode()), 30) == str(slow).encode()
+        assert await replica.stdout.readline() == f"{slow}\n".encode()
         waiting = asyncio.ensure_future(link.call(b"30"))
-        await asyncio.sleep(0.2)
+        assert await asyncio.wait_for(replica.stdout.readline(), 10) == b"30\n"  # it arrived
         loop = asyncio.get_running_loop()
         os.kill(replica.pid, signal.SIGSTOP)
         stopped = loop.time()

@@ -133,7 +133,7 @@ class LosesReplicas:
     async def __call__(self, batch: Batch) -> list[Answer]:
         self.calls.append([job.id for job in batch.jobs])
         if len(self.calls) <= self.losses:
-            await asyncio.sleep(self.after_s)
+            await asyncio.sleep(self.after_s)  # simulated: the replica dies this far in
             if self.cancelled:
                 raise asyncio.CancelledError
             lost = RayServeException("the upstream replica died")
@@ -205,17 +205,20 @@ async def test_a_core_call_cancelled_itself_answers_its_requests(core, photos) -
 
 @pytest.mark.parametrize(("spread_images", "calls"), [(4, [1, 2, 2]), (0, [1, 4])])
 async def test_a_burst_goes_in_calls_over_the_free_slots(
-    core, photos, spread_images, calls
+    core, photos, spread_images, calls, monkeypatch
 ) -> None:
     """Requests of 2 images gathered while one call runs: with `spread_images` 4 they
     go in two calls of 4 images over the two free slots, otherwise in one call."""
+    import serve_app.core.dispatch
+
+    # each arrival ends a window of arrivals: the rate is known without waiting one out
+    monkeypatch.setattr(serve_app.core.dispatch, "RATE_WINDOW_S", 1e-9)
     core, chain = core
     settings = DispatchSettings(64, 3, gather_s=0.5, spread_images=spread_images)
     core = ServingCore(core._config, chain.served, chain, settings=lambda *_: settings)
     two = (photos["coffee"], photos["chelsea"])
     first = _submit(core, Job(id="first", images=two))
-    await until(lambda: chain.calls == [1])  # held at the gate
-    await asyncio.sleep(0.11)  # a whole window of arrivals: more are expected now
+    await until(lambda: chain.calls == [1])  # held at the gate: more are expected now
     burst = [_submit(core, Job(id=f"b{i}", images=two)) for i in range(4)]
     await until(lambda: len(chain.calls) == len(calls))
     chain.gate.set()

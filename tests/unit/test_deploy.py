@@ -152,7 +152,7 @@ def test_serve_stops_when_the_ingress_cannot_bind_its_port() -> None:
     watch = _FatalErrorWatch(io.StringIO(line))
     deadline = time.monotonic() + 5
     while watch.error is None and time.monotonic() < deadline:
-        time.sleep(0.01)
+        time.sleep(0.01)  # polling the watch's thread
     assert watch.error == "Failed to bind to address 127.0.0.1:46515: is the port in use?"
 
 

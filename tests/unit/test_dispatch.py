@@ -37,7 +37,7 @@ async def _finish(calls: Calls, dispatcher) -> None:
         while dispatcher._queue or dispatcher.calls_in_flight:
             for gate in calls.gates:
                 gate.set()
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0.001)  # polling
 
 
 async def test_a_call_takes_what_queued_while_the_calls_were_busy() -> None:
@@ -185,7 +185,7 @@ async def _turns(n: int = 3) -> None:
     """A few turns of the loop: a call started now has run to its gate, none that waits
     on a timer has."""
     for _ in range(n):
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # yields to the loop
 
 
 async def test_a_free_slot_gathers_while_calls_run_and_requests_come_fast(monkeypatch) -> None:
@@ -260,14 +260,11 @@ async def _gathered_burst(dispatcher, calls: Calls, monkeypatch, sizes: list[int
     for number, size in enumerate(sizes):
         dispatcher.submit(Item(f"i{number}", images=size))
     await until(lambda: len(calls.sent) > 1)
-    await asyncio.sleep(0.02)
+    await _turns()  # the burst's calls start together: each has run to its gate by then
     sent = list(calls.sent)
     calls.gates[0].set()  # a slot frees while the burst's calls run: nothing is sent twice
-    await asyncio.sleep(0.25)
-    while not all(gate.is_set() for gate in calls.gates):
-        for gate in calls.gates:
-            gate.set()
-        await asyncio.sleep(0.05)  # a call started meanwhile gets its gate set too
+    await _turns()
+    await _finish(calls, dispatcher)  # whatever the freed slot queued or sent, sent and ended
     names = [name for call in calls.sent for name in call]
     assert sorted(names) == sorted({"a", *(f"i{n}" for n in range(len(sizes)))})
     return sent

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from support import batch_of, top_classes
+from support import batch_of, top_classes, until
 
 from serve_app import tuning
 from serve_app.config import STAGES, AppConfig
@@ -229,14 +229,13 @@ async def test_a_gpu_decode_replica_decodes_the_jpegs_of_waiting_calls_together(
     decoder.gate.clear()  # the first call holds the decode thread until the others queue
     large = [photos["chelsea"], photos["coffee"]] * 75
     first = asyncio.ensure_future(group.run(batch_of([photos["coffee"]] * 3)))
-    while not decoder.calls:
-        await asyncio.sleep(0.01)
+    await until(lambda: decoder.calls)
     later = asyncio.ensure_future(
         group.run(batch_of([photos["chelsea"], b"junk", photos["coffee"]], [photos["coffee"]]))
     )
     largest = asyncio.ensure_future(group.run(batch_of(large)))
-    while group.model("").inference._nvjpeg._queue.queued_images < 3 + len(large):
-        await asyncio.sleep(0.01)
+    queue = group.model("").inference._nvjpeg._queue
+    await until(lambda: queue.queued_images >= 3 + len(large))
     decoder.gate.set()
     answers = [await first, await later, await largest]
     # 3 alone; then the waiting 3 (the junk is no JPEG) and 150 together, in as few calls of
@@ -361,12 +360,15 @@ async def test_a_decoder_warm_up_given_up_leaves_nothing_running(
     try:
         with pytest.raises(RuntimeError, match=r"ran past its load timeout"):
             await asyncio.wait_for(StageGroup.create(config, stages), 10)
-        await asyncio.sleep(0.1)  # the cancelled workers end
+
+        def pending() -> list[asyncio.Task]:
+            started = asyncio.all_tasks() - before
+            return [t for t in started if "DynamicBatcher" in repr(t.get_coro())]
+
+        await until(lambda: not pending())  # the cancelled workers end
         gc.collect()
-        await asyncio.sleep(0)
-        started = asyncio.all_tasks() - before
-        pending = [t for t in started if "DynamicBatcher" in repr(t.get_coro())]
-        assert not pending, pending
+        await asyncio.sleep(0)  # yields to the loop: a task destroyed pending is logged
+        assert not pending(), pending()
         assert "Task was destroyed but it is pending" not in caplog.text
     finally:
         release.set()

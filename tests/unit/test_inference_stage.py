@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from support import until
 
 from clients.loadgen import model_input
 from raystream.v1 import classifier_pb2 as pb
@@ -50,7 +51,8 @@ async def test_a_short_deadline_fails_only_its_own_request(slow_group, photos, i
         return Job(id=request_id, pixels=_pixels(1), deadline=deadline)
 
     busy = asyncio.ensure_future(slow_group.run(Batch(jobs=(job("busy"),))))
-    await asyncio.sleep(ENGINE_S / 4)  # the engine runs `busy`: the next call queues
+    engine = slow_group.model("").inference
+    await until(lambda: engine.stalled_s() > 0)  # the engine runs `busy`: the next call queues
     now = time.time()
     short, long = await slow_group.run(
         Batch(jobs=(job("short", now + ENGINE_S / 4), job("long", now + 60)))
@@ -74,9 +76,10 @@ async def test_an_engine_call_past_the_stall_timeout_fails_the_health_check(
     group = await StageGroup.create(config, STAGES)
     group.check_health()  # idle
     call = asyncio.ensure_future(group.run(Batch(jobs=(Job(id="a", pixels=_pixels(1)),))))
-    await asyncio.sleep(0.1)
+    engine = group.model("").inference
+    await until(lambda: engine.stalled_s() > 0)
     group.check_health()  # running, not yet past the timeout
-    await asyncio.sleep(0.4)
+    await until(lambda: engine.stalled_s() > tuning.ENGINE_STALL_TIMEOUT_S)
     with pytest.raises(RuntimeError, match=r"a GPU or engine call has run for .* it is stuck"):
         group.check_health()
     assert (await call)[0].code == OK
@@ -98,10 +101,11 @@ async def test_a_version_unloading_behind_a_stuck_engine_call_still_fails_the_he
     group = await StageGroup.create(config, STAGES, registry, "Inference", "r1")
     (key,) = group.models
     call = asyncio.ensure_future(group.run(Batch(jobs=(Job(id="a", pixels=_pixels(1)),))))
-    await asyncio.sleep(0.1)
+    engine = group.model(key).inference
+    await until(lambda: engine.stalled_s() > 0)
     registry.remove([key])
-    await asyncio.sleep(0.6)  # the group follows the registry every POLL_S (0.25 s)
-    assert key not in group.models
+    await until(lambda: key not in group.models)  # the group follows the registry every POLL_S
+    await until(lambda: engine.stalled_s() > tuning.ENGINE_STALL_TIMEOUT_S)
     with pytest.raises(RuntimeError, match=rf"model {key}: a GPU or engine call has run"):
         group.check_health()
     assert (await call)[0].code == UNAVAILABLE  # its version went while it ran
@@ -115,7 +119,7 @@ async def _passes_health_check(group: StageGroup, within_s: float) -> bool:
             group.check_health()
             return True
         except RuntimeError:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # polling
     return False
 
 

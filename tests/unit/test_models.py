@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from support import until
 
 from engines.repository import ModelNotFoundError, resolve, select_versions
 from raystream.oip import grpc_predict_v2_pb2 as oip
@@ -205,13 +206,16 @@ async def test_migration_loses_nothing_and_pinned_requests_never_switch(
                 }
                 answers.append((model, loaded, await ask(core, photos["chelsea"], model)))
 
+        def answered(model: str, code: int = 0) -> bool:
+            return any(m == model and a.code == code for m, _, a in answers)
+
         clients = [asyncio.create_task(client(m)) for m in ("", f"{MODEL}/{old}", f"{MODEL}/{new}")]
-        await asyncio.sleep(0.5)
+        await until(lambda: answered("") and answered(f"{MODEL}/{old}"), 60)
         assert await life.load(MODEL, versions=(old, new)) == [old, new]
         assert sorted(core.models) == [f"{MODEL}/{old}", f"{MODEL}/{new}"]
-        await asyncio.sleep(0.5)
+        await until(lambda: answered(f"{MODEL}/{new}"), 60)
         assert await life.unload(MODEL, old) == [old]
-        await asyncio.sleep(0.5)
+        await until(lambda: answered(f"{MODEL}/{old}", Code.NOT_FOUND), 60)
         stop.set()
         await asyncio.gather(*clients)
         assert sorted(core.models) == [f"{MODEL}/{new}"]
@@ -246,7 +250,7 @@ async def test_an_unload_past_its_drain_timeout_still_answers_every_request(
             job = Job(id=str(i), images=(photos["chelsea"],) * 16, model=f"{MODEL}/{old}")
             core.submit(job, future.set_result, "s", 120.0)
             futures.append(future)
-        await asyncio.sleep(0.3)  # some are running
+        await until(lambda: any(f.done() for f in futures), 60)  # the engine works through them
         assert await life.unload(MODEL, old) == [old]
         answers = await asyncio.wait_for(asyncio.gather(*futures), 60)
         codes = [answer.code for answer in answers]
@@ -314,7 +318,7 @@ class SlowStore(MemoryStore):
     at once read it before either has written."""
 
     def get(self, key: str) -> bytes | None:
-        time.sleep(0.02)
+        time.sleep(0.02)  # simulated GCS latency
         return super().get(key)
 
 
@@ -403,15 +407,12 @@ async def test_a_load_whose_client_leaves_still_runs_to_its_end(two_versions, ve
     old, new = versions
     async with served(two_versions, [old]) as (core, life, _):
         load = asyncio.create_task(life.load(MODEL, versions=(new,)))
-        await asyncio.sleep(0.05)
+        await until(lambda: (new, "LOADING") in {(e.version, e.state) for e in life.index()})
         load.cancel()
         with pytest.raises(asyncio.CancelledError):
             await load
         loaded = {(old, "UNAVAILABLE"), (new, "READY")}
-        deadline = time.monotonic() + 20
-        while {(e.version, e.state) for e in life.index()} != loaded:
-            assert time.monotonic() < deadline, life.index()
-            await asyncio.sleep(0.1)
+        await until(lambda: {(e.version, e.state) for e in life.index()} == loaded, 20)
         assert sorted(core.models) == [f"{MODEL}/{new}"]
 
 
@@ -439,7 +440,7 @@ async def test_a_replica_loading_a_version_still_reports_what_it_holds(
     async with served(two_versions, [old], store) as (_, life, group):
         registry = ModelRegistry(store, "test")
         load = asyncio.create_task(life.load(MODEL, versions=(old, new)))
-        await asyncio.sleep(1.5)  # three times FRESH_S into the load
+        await asyncio.sleep(1.5)  # not a sync: past FRESH_S is what is tested (three times)
         (report,) = registry.reports("Ingress")
         assert report.holds == {f"{MODEL}/{old}"}
         assert registry.held_everywhere(["Ingress"]) == {f"{MODEL}/{old}"}
@@ -463,14 +464,14 @@ async def test_a_load_past_its_timeout_is_withdrawn(two_versions, versions) -> N
         async def stuck_replica() -> None:  # alive, never loads the new version
             while True:
                 registry.report("Ingress", "r-stuck", [f"{MODEL}/{old}"])
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.1)  # pacing: a replica reports now and then
 
         stuck = asyncio.create_task(stuck_replica())
         try:
             with pytest.raises(DeadlineExceeded):
                 await life.load(MODEL, versions=(new,))
             assert registry.desired() == {f"{MODEL}/{old}": "serve"}
-            await asyncio.sleep(1.0)
+            await life.follow_once()  # what a poll of the state routes after the withdrawal
             assert sorted(core.models) == [f"{MODEL}/{old}"]
         finally:
             stuck.cancel()
@@ -494,12 +495,12 @@ async def test_a_load_that_never_becomes_ready_holds_up_no_other_model(
         async def stuck_replica() -> None:  # alive, holds MODEL's versions, never "other"
             while True:
                 registry.report("Ingress", "r-stuck", [f"{MODEL}/{old}", f"{MODEL}/{new}"])
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.1)  # pacing: a replica reports now and then
 
         stuck = asyncio.create_task(stuck_replica())
         load = asyncio.create_task(life.load("other"))
         try:
-            await asyncio.sleep(1.0)
+            await until(lambda: registry.desired().get("other/1") == "serve")  # it waits
             assert not load.done() and "other/1" not in core.models
             assert await asyncio.wait_for(life.unload(MODEL, old), 10) == [old]
             assert sorted(core.models) == [f"{MODEL}/{new}"]
@@ -614,10 +615,7 @@ async def test_a_load_stuck_at_run_time_fails_and_is_withdrawn_and_the_replica_r
     try:
         group.check_health()
         registry.set_state([f"{MODEL}/{new}"], "serve")
-        for _ in range(100):
-            if f"{MODEL}/{new}" in registry.failures(["Inference"]):
-                break
-            await asyncio.sleep(0.05)
+        await until(lambda: f"{MODEL}/{new}" in registry.failures(["Inference"]))
         failure = registry.failures(["Inference"])[f"{MODEL}/{new}"]
         assert "ran past its load timeout" in failure
         assert list(registry.desired()) == [f"{MODEL}/{old}"]

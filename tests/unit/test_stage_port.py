@@ -48,7 +48,7 @@ class Stage:
         if batch.model == "gone":
             raise ModelNotFound("model version 'gone' is not loaded in this replica")
         self.running += 1
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # simulated work
         self.running -= 1
         return [self.name, *(job.id for job in batch.jobs)]
 
@@ -226,10 +226,10 @@ async def test_a_stopped_caller_reads_no_more_addresses_and_its_calls_go_on() ->
     calls = PortCalls(registry, "Inference", Fallback(), TOKEN)
     calls.update(registry.ports("Inference"))
     assert (await calls.run(_batch()))[0] == "r1"  # starts the reads
-    await asyncio.sleep(0.1)
+    await until(lambda: CountingRegistry.reads > 1)  # the first read ran
     calls.stop()
+    await until(calls._refresh_task.done)
     reads = CountingRegistry.reads
-    await asyncio.sleep(0.1)
     assert calls._refresh_task.cancelled()
     assert (await calls.run(_batch()))[0] == "r1" and port.calls == 2
     assert CountingRegistry.reads == reads
@@ -323,9 +323,12 @@ async def test_a_call_cut_off_by_its_closing_link_goes_by_handle(monkeypatch) ->
     its requests unanswered), and the address, reported again, starts from no calls."""
     import serve_app.transport.stage_port as stage_port
 
+    started = asyncio.Event()
+
     class SlowStage(Stage):
         async def run(self, batch: Batch) -> list[str]:
-            await asyncio.sleep(1.0)
+            started.set()
+            await asyncio.sleep(1.0)  # simulated work, past the close grace
             return await super().run(batch)
 
     monkeypatch.setattr(stage_port, "CLOSE_GRACE_S", 0.05)
@@ -337,7 +340,7 @@ async def test_a_call_cut_off_by_its_closing_link_goes_by_handle(monkeypatch) ->
     calls.stop()  # the test says which addresses it has
     calls.update(registry.ports("Inference"))
     running = asyncio.create_task(calls.run(_batch()))
-    await asyncio.sleep(0.2)
+    await asyncio.wait_for(started.wait(), 10)  # the call runs in the replica
     calls.update({})  # the replica's report went stale: the address is dropped
     calls.update(registry.ports("Inference"))  # ... and reported again
     assert await asyncio.wait_for(running, 5) == ["handle", "a"]
@@ -456,11 +459,7 @@ async def test_a_caller_avoids_the_replica_another_caller_keeps_busy() -> None:
     held = asyncio.ensure_future(
         busy_caller.run(Batch(jobs=(Job(id="hold", images=(b"jpeg",) * 64),)))
     )
-    for _ in range(500):  # the held call reaches its replica (at most 5 s)
-        if any(stage.running for stage in stages):
-            break
-        await asyncio.sleep(0.01)
-    assert any(stage.running for stage in stages)
+    await until(lambda: any(stage.running for stage in stages))  # the held call arrived
     idle = next(stage.name for stage in stages if not stage.running)
     answers = [await idle_caller.run(_batch()) for _ in range(10)]
     assert [answer[0] for answer in answers] == [idle] * 10

@@ -3,24 +3,36 @@
 from __future__ import annotations
 
 import threading
-import time
+from types import SimpleNamespace
 
 import pytest
 
 from serve_app.stages.stall_watch import StallWatch
 
 
-def test_it_reports_the_oldest_call_running_and_zero_once_none_runs() -> None:
+def test_it_reports_the_oldest_call_running_and_zero_once_none_runs(monkeypatch) -> None:
+    import serve_app.stages.stall_watch as stall_watch
+
+    now = [100.0]  # the watch's clock, moved by the test
+    monkeypatch.setattr(stall_watch, "time", SimpleNamespace(monotonic=lambda: now[0]))
     watch = StallWatch()
     assert watch.stalled_s() == 0.0
     release = threading.Event()
-    first = threading.Thread(target=watch.run, args=(release.wait,))
+
+    def call(started: threading.Event) -> None:
+        started.set()
+        assert release.wait(10)
+
+    first_started, second_started = threading.Event(), threading.Event()
+    first = threading.Thread(target=watch.run, args=(call, first_started))
     first.start()
-    time.sleep(0.2)
-    second = threading.Thread(target=watch.run, args=(release.wait,))
+    assert first_started.wait(10)
+    now[0] += 5.0
+    second = threading.Thread(target=watch.run, args=(call, second_started))
     second.start()
-    time.sleep(0.05)
-    assert watch.stalled_s() >= 0.2  # the first call's age, not the second's
+    assert second_started.wait(10)
+    now[0] += 1.0
+    assert watch.stalled_s() == 6.0  # the first call's age, not the second's
     release.set()
     first.join()
     second.join()

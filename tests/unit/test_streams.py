@@ -43,7 +43,7 @@ async def test_in_flight_limit_holds_back_reading() -> None:
         nonlocal running, peak
         running += 1
         peak = max(peak, running)
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # simulated work
         running -= 1
         return request
 
@@ -102,7 +102,7 @@ async def test_a_request_holds_its_slot_until_its_answer_is_taken() -> None:
     # has sent this one, which waits while the client's flow-control window is full).
     first = await anext(stream)
     for _ in range(50):  # let every task that could run, run
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # yields to the loop
     assert first == 0 and read == 4
     await stream.aclose()
 
@@ -124,7 +124,7 @@ async def test_the_byte_budget_holds_back_reading() -> None:
     runner = StreamRunner(max_in_flight=64, max_buffered_bytes=1000)
     task = asyncio.ensure_future(_collect(runner, requests(), answer, size=len))
     for _ in range(50):
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # yields to the loop
     assert read == 3  # 1,200 bytes: the third request crossed the budget, reading paused
     release.set()
     assert await asyncio.wait_for(task, 5) == [400] * 100
@@ -141,7 +141,7 @@ async def test_a_task_starter_abandons_what_still_runs_when_its_stream_ends() ->
     async def answer(request: int) -> int:
         started.set()
         try:
-            await asyncio.sleep(60)
+            await asyncio.sleep(60)  # simulated work, until cancelled
         except asyncio.CancelledError:
             cancelled.set()
             raise
