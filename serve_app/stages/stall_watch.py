@@ -17,14 +17,15 @@ class StallWatch:
     """`run(call, *args)` on a worker thread notes when the call started until it returns;
     `stalled_s()`, from any thread, says how long the oldest call still running has run."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock  # tests set it
         self._lock = threading.Lock()
         self._started: dict[int, float] = {}  # worker thread -> when its call started
 
     def run(self, call: Callable[..., R], *args) -> R:
         thread = threading.get_ident()
         with self._lock:
-            self._started[thread] = time.monotonic()
+            self._started[thread] = self._clock()
         try:
             return call(*args)
         finally:
@@ -34,4 +35,4 @@ class StallWatch:
     def stalled_s(self) -> float:
         with self._lock:
             oldest = min(self._started.values(), default=None)
-        return 0.0 if oldest is None else time.monotonic() - oldest
+        return 0.0 if oldest is None else self._clock() - oldest

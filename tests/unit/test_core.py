@@ -209,10 +209,10 @@ async def test_a_burst_goes_in_calls_over_the_free_slots(
 ) -> None:
     """Requests of 2 images gathered while one call runs: with `spread_images` 4 they
     go in two calls of 4 images over the two free slots, otherwise in one call."""
-    import serve_app.core.dispatch
+    import serve_app.tuning
 
     # each arrival ends a window of arrivals: the rate is known without waiting one out
-    monkeypatch.setattr(serve_app.core.dispatch, "RATE_WINDOW_S", 1e-9)
+    monkeypatch.setattr(serve_app.tuning, "RATE_WINDOW_S", 1e-9)
     core, chain = core
     settings = DispatchSettings(64, 3, gather_s=0.5, spread_images=spread_images)
     core = ServingCore(core._config, chain.served, chain, settings=lambda *_: settings)

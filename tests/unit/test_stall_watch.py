@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 import pytest
 
 from serve_app.stages.stall_watch import StallWatch
 
 
-def test_it_reports_the_oldest_call_running_and_zero_once_none_runs(monkeypatch) -> None:
-    import serve_app.stages.stall_watch as stall_watch
-
+def test_it_reports_the_oldest_call_running_and_zero_once_none_runs() -> None:
     now = [100.0]  # the watch's clock, moved by the test
-    monkeypatch.setattr(stall_watch, "time", SimpleNamespace(monotonic=lambda: now[0]))
-    watch = StallWatch()
+    watch = StallWatch(clock=lambda: now[0])
     assert watch.stalled_s() == 0.0
     release = threading.Event()
 
