@@ -14,7 +14,7 @@ from serve_app.observability.metrics import IngressMetrics
 async def test_tracing_off_makes_no_exemplar_histogram_and_exports_nothing() -> None:
     receiver = await OtlpReceiver().start()
     try:
-        config = TracingConfig(enabled=False, sample_ratio=1.0, otlp_endpoint=receiver.endpoint)
+        config = TracingConfig(otlp_endpoint=None, sample_ratio=1.0)  # off
         tracing.configure(config, "Ingress")
         metrics = IngressMetrics()
         assert metrics.total_exemplars is None
