@@ -74,8 +74,9 @@ def decode_threads() -> int:
     (ray_actor_options' num_cpus, rounded up), at least DEFAULT_PREPROCESS_THREADS, so that
     one thread stays free for cheap images while another decodes a heavy one (decode_pool.py)."""
     cpus = 0.0
-    if ray.is_initialized():
-        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+    context = ray.get_runtime_context() if ray.is_initialized() else None
+    if context is not None and context.worker.mode == ray.WORKER_MODE:  # not a driver (tests)
+        cpus = context.get_assigned_resources().get("CPU", 0.0)
     return max(DEFAULT_PREPROCESS_THREADS, math.ceil(cpus))
 
 
