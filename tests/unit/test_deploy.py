@@ -6,6 +6,7 @@ on a real multi-node cluster: tests/cluster.)"""
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -510,16 +511,32 @@ def test_the_drain_follows_the_deployments_graceful_shutdown() -> None:
     assert drain_for(None) == drain_timeout_s() == GRACEFUL_SHUTDOWN_S - DRAIN_MARGIN_S
 
 
-@pytest.mark.parametrize(("cpus", "threads"), [(None, 2), (0.5, 2), (2.0, 2), (2.5, 3), (12.0, 12)])
-def test_the_decode_threads_follow_the_replicas_num_cpus(monkeypatch, cpus, threads) -> None:
+@pytest.mark.parametrize(
+    ("cpus", "threads", "in_worker"),
+    [
+        (None, 2, True),
+        (0.5, 2, True),
+        (2.0, 2, True),
+        (2.5, 3, True),
+        (12.0, 12, True),
+        (12.0, 2, False),
+    ],
+)
+def test_the_decode_threads_follow_the_replicas_num_cpus(
+    monkeypatch, cpus, threads, in_worker
+) -> None:
     """A replica decodes on as many threads as the CPUs Ray gave it (ray_actor_options'
-    num_cpus, rounded up), at least 2 (one stays free for cheap images); outside Ray, 2."""
+    num_cpus, rounded up), at least 2 (one stays free for cheap images); outside Ray, or in
+    a driver (a test session that started Ray), 2."""
     import ray
 
     from serve_app.pipeline import topology
 
     class Context:
+        worker = SimpleNamespace(mode=ray.WORKER_MODE if in_worker else ray.SCRIPT_MODE)
+
         def get_assigned_resources(self) -> dict[str, float]:
+            assert in_worker, "only available when the process is a worker"  # as Ray's
             return {} if cpus is None else {"CPU": cpus}
 
     monkeypatch.setattr(ray, "is_initialized", lambda: cpus is not None)
