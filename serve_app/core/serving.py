@@ -168,6 +168,8 @@ class ServingCore:
 
     def _retune(self) -> None:
         """Every RETUNE_S: the dispatchers' settings for the replicas seen now."""
+        if not self._dispatchers:  # the first is made with the fleet seen then
+            return
         fleet = self._fleet()
         for key, dispatcher in self._dispatchers.items():
             dispatcher.retune(**self._dispatch_args(key, fleet))

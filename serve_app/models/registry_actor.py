@@ -124,11 +124,9 @@ class RegistryActor:
         return self._store.version
 
     def _answer(self, known: tuple[str, int] | None, before: int) -> Snapshot | None:
-        if known is not None and tuple(known) == (self._epoch, before) == (
-            self._epoch,
-            self._store.version,
-        ):
-            return None  # nothing changed, and the writer's copy is current
+        unchanged = self._store.version == before
+        if unchanged and known is not None and tuple(known) == (self._epoch, before):
+            return None  # the writer's copy is current
         return self._snapshot()
 
     def _notify(self, version: int) -> None:
