@@ -104,7 +104,14 @@ def test_a_ray_client_without_the_token_cannot_connect(cluster) -> None:
     assert urlopen_error(cluster.dashboard + "/api/v0/nodes") in (401, 403)
     for address in (cluster.address, f"ray://127.0.0.1:{CLIENT_PORT}"):  # with the token
         allowed = _driver(cluster, address, token=True)
-        assert allowed.returncode == 0 and "nodes 3" in allowed.stdout, allowed.stderr[-2000:]
+        why = allowed.stderr[-2000:] + _client_server_log(cluster)
+        assert allowed.returncode == 0 and "nodes 3" in allowed.stdout, why
+
+
+def _client_server_log(cluster: LoopbackCluster) -> str:
+    """The end of the Ray Client server's log on the head: why a session did not start."""
+    log = cluster.root / "ray" / "session_latest" / "logs" / "ray_client_server.err"
+    return "\n--- ray_client_server.err ---\n" + (log.read_text()[-3000:] if log.exists() else "")
 
 
 async def _classify(deployed, photos: dict[str, bytes], requests: int) -> list[pb.ClassifyResponse]:
