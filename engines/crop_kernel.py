@@ -6,13 +6,18 @@ per size, each a chance to queue behind the other replicas' work on a shared GPU
 photos of mixed sizes that took 1.5 ms of the decode stage's 3.4 (12 processes under MPS at
 5,000 img/s, `bench/decode_procs.py --gap-ms 15`, one H100). This kernel reads every image
 where nvJPEG left it (a table of device pointers) and writes the (N, S, S, 3) uint8 crops
-directly: each output pixel is the antialiased bilinear sum over its window of the source,
-with the weights PyTorch's `upsample_bilinear2d_aa` uses, so its pixels equal
-`crop_batch`'s within one grey level (float sums in another order; tests/gpu/test_nvjpeg.py).
+directly. Each output pixel is computed as PIL's `resize(BILINEAR)` computes it, the model's
+reference preprocessing: a horizontal pass whose rows are rounded to bytes, then a vertical
+pass over those rows, rounded again, halves up, with the triangle filter's weights (PIL's and
+PyTorch's antialiased bilinear agree; PIL's are fixed-point, these float, so where a sum lands
+on an exact half the two can round a grey level apart). Its pixels equal `crop_batch`'s torch
+path within one grey level (float sums in another order; tests/gpu/test_nvjpeg.py).
 
 Triton compiles it on first use (the decoder's warm-up) and caches it on disk. Where Triton
 does not import or cannot build the kernel (no C compiler for its launcher, say),
-`available()` is False, says why in the log, and the torch path runs.
+`available()` is False, says why in the log, and the torch path runs. With
+`TRITON_INTERPRET=1` it runs on CPU tensors (slowly), which is how it can be checked without
+a GPU.
 """
 
 from __future__ import annotations
@@ -80,7 +85,9 @@ def resize_crop(
     order = [index for indices in groups.values() for index in indices]
     rows = [(images[i].data_ptr(), *images[i].shape[1:], *sizes[i], i) for i in order]
     device = images[0].device
-    table = torch.tensor(rows, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+    table = torch.tensor(rows, dtype=torch.int64)
+    if device.type == "cuda":  # up from pinned memory: from pageable the copy waits
+        table = table.pin_memory().to(device, non_blocking=True)
     out = torch.empty((len(images), crop, crop, 3), dtype=torch.uint8, device=device)
     first = 0
     for indices in groups.values():
@@ -121,13 +128,9 @@ if triton is not None:
 
     @triton.jit
     def _to_u8(value):
-        """Rounded as torch.round rounds (halves to even: at 2x, 4x or 8/7 scales the sums
-        land on exact halves for a few percent of the pixels) and clamped to a byte."""
-        low = tl.floor(value)
-        fraction = value - low
-        odd = (low - 2.0 * tl.floor(low * 0.5)) == 1.0
-        rounded = tl.where((fraction > 0.5) | ((fraction == 0.5) & odd), low + 1.0, low)
-        return tl.minimum(tl.maximum(rounded, 0.0), 255.0).to(tl.uint8)
+        """Rounded halves up, as PIL's fixed-point sums round, and clamped to a byte (kept
+        as a float: the horizontal pass's rows feed the vertical pass)."""
+        return tl.minimum(tl.maximum(tl.floor(value + 0.5), 0.0), 255.0)
 
     # the windows' sizes change from call to call: not compiled apart when one is 1 or a
     # multiple of 16, as Triton does for integer arguments by default
@@ -151,6 +154,7 @@ if triton is not None:
         total_x = tl.zeros((BLOCK,), tl.float32)
         for j in range(0, taps_x):
             total_x += _weight(x0 + j, cx, inv_x, x_end)
+        inv_total_x = 1.0 / total_x
         plane = height * width
         r = tl.zeros((BLOCK,), tl.float32)
         g = tl.zeros((BLOCK,), tl.float32)
@@ -171,11 +175,12 @@ if triton is not None:
                 row_r += wx * tl.load(at, mask=valid, other=0).to(tl.float32)
                 row_g += wx * tl.load(at + plane, mask=valid, other=0).to(tl.float32)
                 row_b += wx * tl.load(at + 2 * plane, mask=valid, other=0).to(tl.float32)
-            r += wy * row_r
-            g += wy * row_g
-            b += wy * row_b
-        norm = 1.0 / (total_x * total_y)
+            # the horizontal pass's row, a byte as PIL stores it, then its vertical weight
+            r += wy * _to_u8(row_r * inv_total_x)
+            g += wy * _to_u8(row_g * inv_total_x)
+            b += wy * _to_u8(row_b * inv_total_x)
+        norm = 1.0 / total_y
         dest = out + tl.load(row + 5) * (S * S * 3) + pixel * 3
-        tl.store(dest, _to_u8(r * norm), mask=inside)
-        tl.store(dest + 1, _to_u8(g * norm), mask=inside)
-        tl.store(dest + 2, _to_u8(b * norm), mask=inside)
+        tl.store(dest, _to_u8(r * norm).to(tl.uint8), mask=inside)
+        tl.store(dest + 1, _to_u8(g * norm).to(tl.uint8), mask=inside)
+        tl.store(dest + 2, _to_u8(b * norm).to(tl.uint8), mask=inside)

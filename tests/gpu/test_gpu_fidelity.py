@@ -19,12 +19,6 @@ pytestmark = [
 ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="measured on an H100 (2026-12-07): nvJPEG 0.9965 on a 300x200 photo (upscaled) and "
-    "0.9979 on a grayscale 512x512 one, GPU_HYBRID 0.9964: the GPU resize rounds once, in "
-    "float, where PIL rounds each pass half up",
-)
 def test_nvjpeg_paths_match_the_reference(model) -> None:
     from engines import crop_kernel
     from engines.gpu_decode import (

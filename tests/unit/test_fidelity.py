@@ -1,6 +1,7 @@
 """Every CPU decode path against the model's reference preprocessing (tests/fidelity.py): PIL
 with and without DCT scaling, and the GPU path's resize and crop run on CPU tensors (torch's
-antialiased interpolation, what `decode: gpu` uses without Triton)."""
+antialiased interpolation in PIL's two rounded passes, what `decode: gpu` uses without
+Triton; engines/crop_kernel.py computes the same pixels)."""
 
 from __future__ import annotations
 
@@ -67,11 +68,6 @@ def test_dct_scaling_to_the_resize_size_would_not_match(model, reference) -> Non
     assert fidelity.min_by_kind()["2/4/8x resize"] < MIN_COSINE
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch's float resize rounds once and half to even; PIL rounds each pass half up: "
-    "0.12 grey levels darker on average, cosine 0.9979 on a grayscale 512x512 photo",
-)
 def test_gpu_resize_on_cpu_tensors_matches_the_reference(model, reference) -> None:
     """decode: gpu's resize and crop (engines/gpu_decode.py, torch's operators) on PIL's full
     decodes of the JPEGs nvJPEG takes; nvJPEG's own decode: tests/gpu/test_gpu_fidelity.py."""

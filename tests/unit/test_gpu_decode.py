@@ -81,6 +81,38 @@ def test_crops_of_mixed_sizes_in_one_batch_equal_one_at_a_time(model, photos) ->
             assert difference.mean() < 3.0 and difference[[0, -1]].mean() < 3.0  # edge rows
 
 
+def test_the_gpu_resize_gives_pils_pixels() -> None:
+    """The GPU path's resize and crop (torch's operators, as on a GPU without Triton; the
+    crop kernel computes the same) against PIL's bilinear resize, the model's reference: equal
+    at exactly 2x and when enlarging; at other scales at most a grey level off on under 2% of
+    the values (PIL's weights are fixed-point, these float: a sum on an exact half can round
+    apart)."""
+    from skimage import data
+
+    from engines.gpu_decode import crop_batch, resized_size
+    from engines.repository import PreprocessSpec
+
+    spec = PreprocessSpec()
+    grey = data.camera()  # 512x512: exactly 2x the resize size, sums on exact halves
+    cases = {
+        "astronaut": (data.astronaut(), 0.0),
+        "camera": (np.repeat(grey[:, :, None], 3, axis=2), 0.0),
+        "enlarged": (np.random.default_rng(0).integers(0, 256, (100, 150, 3), np.uint8), 0.0),
+        "chelsea": (data.chelsea(), 0.02),
+        "rocket": (data.rocket(), 0.02),
+    }
+    for name, (pixels, off_at_most) in cases.items():
+        height, width = resized_size(pixels.shape[0], pixels.shape[1], spec)
+        resized = np.asarray(Image.fromarray(pixels).resize((width, height), Image.BILINEAR))
+        top, left = (height - spec.input_size) // 2, (width - spec.input_size) // 2
+        pil = resized[top : top + spec.input_size, left : left + spec.input_size]
+        image = torch.from_numpy(pixels.copy()).permute(2, 0, 1).contiguous()
+        crop = crop_batch([image], spec)[0].numpy()
+        difference = np.abs(crop.astype(np.int16) - pil)
+        assert difference.max() <= 1, name
+        assert (difference > 0).mean() <= off_at_most, (name, (difference > 0).mean())
+
+
 class _PilBatchDecoder:
     """Stands in for torchvision's batched nvJPEG on a CPU box: same inputs and outputs, and
     like nvJPEG one bad JPEG fails the whole call with a RuntimeError. Counts the JPEGs of
