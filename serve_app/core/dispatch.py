@@ -1,11 +1,12 @@
 """The ingress' micro-batching: requests from every stream go to the stages in calls that
 carry many of them.
 
-A Ray call costs milliseconds of CPU whatever it carries, so while `max_calls` calls are in
-flight new requests queue, and the next call takes everything queued (up to `max_per_call`);
-at low load a lone request goes at once. A request that waited `spill_after_s` while every
-call stayed busy goes in an extra call (at most `max_calls` extra at once): a call stuck on one
-client's expensive images must not hold everyone else's requests.
+A Ray call costs milliseconds of CPU whatever it carries, so while `calls_in_flight` calls
+are in flight new requests queue, and the next call takes everything queued (up to
+`requests_per_call`); at low load a lone request goes at once. A request that waited
+`spill_after_s` while every call stayed busy goes in an extra call (at most
+`calls_in_flight` extra at once): a call stuck on one client's expensive images must not hold
+everyone else's requests.
 
 A free call slot is not taken by the first request to come while other calls are in flight
 and requests arrive fast: it waits up to `gather_s` for more. Otherwise, under load, the
@@ -28,8 +29,8 @@ huge call's end. A queue that spread calls could carry only past that bound is n
 Callbacks, not a future per request: each call answers its requests when it returns, and the
 ingress does no work per request beyond queueing it.
 
-The settings are worked out at run time (serve_app/core/dispatch_rule.py) and change as
-replicas come and go (`retune`).
+The settings (`DispatchSettings`) are worked out at run time (serve_app/core/dispatch_rule.py)
+and change as replicas come and go (`retune`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from serve_app import tuning
@@ -56,33 +58,35 @@ class Pending(Protocol):
 P = TypeVar("P", bound=Pending)
 
 
+@dataclass(frozen=True)
+class DispatchSettings:
+    requests_per_call: int
+    calls_in_flight: int  # per ingress replica; as many extra calls may spill
+    gather_s: float = tuning.GATHER_S
+    spill_after_s: float = tuning.SPILL_AFTER_S
+    spread_images: int = 0  # a burst goes over free slots in calls of this many images (0: never)
+    max_images: int = 0  # images a call carries past its first request (0: no bound)
+
+
 class Dispatcher(Generic[P]):
     def __init__(
         self,
         call: Callable[[list[P]], Awaitable[None]],
+        settings: DispatchSettings,
         *,
-        max_per_call: int,
-        max_calls: int,
-        gather_s: float = 0.0,
-        spill_after_s: float = 0.02,
-        spread_images: int = 0,
         images: Callable[[P], int] = lambda item: 1,
         flow: Callable[[P], str] = lambda item: "",
-        max_images: int = 0,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """`call(items)` sends one call and answers each item (it must not raise);
         `images(item)`: how many images an item carries (for `spread_images`); `flow(item)`:
-        the stream it came on (a backlog's calls take the flows in turn); `max_images`: the
-        images a call carries past its first item (0: no bound); `clock`: when items arrive
-        and how long they waited (tests set it)."""
+        the stream it came on (a backlog's calls take the flows in turn); `clock`: when items
+        arrive and how long they waited (tests set it)."""
         self._call, self._clock = call, clock
-        self._max_per_call, self._max_calls = max_per_call, max_calls
-        self._spread_images, self._images, self._flow = spread_images, images, flow
-        self._max_images = max_images
+        self._images, self._flow = images, flow
+        self.settings = settings
         # the call count at each queued flow's last turn: least recently served go first
         self._turns, self._last_turn = 0, {}
-        self._gather_s, self._spill_after_s = gather_s, spill_after_s
         self._queue: collections.deque[tuple[P, float]] = collections.deque()
         self._running = 0
         self._spilled = 0
@@ -91,27 +95,12 @@ class Dispatcher(Generic[P]):
         self._tasks: set[asyncio.Task] = set()
         self._window_start, self._window_arrivals, self._rate = clock(), 0, 0.0
 
-    def retune(
-        self,
-        *,
-        max_per_call: int,
-        max_calls: int,
-        gather_s: float,
-        spill_after_s: float,
-        spread_images: int,
-        max_images: int,
-    ) -> None:
+    def retune(self, settings: DispatchSettings) -> None:
         """New settings (serve_app/core/dispatch_rule.py: replicas came or went), from the
         next call on; calls in flight go on. Slots that this frees take queued requests."""
-        self._max_per_call, self._max_calls = max_per_call, max_calls
-        self._gather_s, self._spill_after_s = gather_s, spill_after_s
-        self._spread_images, self._max_images = spread_images, max_images
-        if self._queue and self._running < self._max_calls:
+        self.settings = settings
+        if self._queue and self._running < settings.calls_in_flight:
             self._fill_slot()
-
-    @property
-    def max_calls(self) -> int:
-        return self._max_calls
 
     @property
     def calls_in_flight(self) -> int:
@@ -121,11 +110,11 @@ class Dispatcher(Generic[P]):
         now = self._clock()
         self._count_arrival(now)
         self._queue.append((item, now))
-        if self._running < self._max_calls:
+        if self._running < self.settings.calls_in_flight:
             self._fill_slot()
         elif self._spill_timer is None:
             self._spill_timer = asyncio.get_running_loop().call_later(
-                self._spill_after_s, self._spill
+                self.settings.spill_after_s, self._spill
             )
 
     def _count_arrival(self, now: float) -> None:
@@ -138,19 +127,19 @@ class Dispatcher(Generic[P]):
         """A call slot is free: start a call now, or gather first (see the module's doc)."""
         gather = (
             self._running > 0
-            and len(self._queue) < self._max_per_call
-            and self._rate * self._gather_s >= 1.0  # another request expected meanwhile
+            and len(self._queue) < self.settings.requests_per_call
+            and self._rate * self.settings.gather_s >= 1.0  # another request expected meanwhile
         )
         if not gather:
             self._start_calls()
         elif self._gather_timer is None:
             self._gather_timer = asyncio.get_running_loop().call_later(
-                self._gather_s, self._gathered
+                self.settings.gather_s, self._gathered
             )
 
     def _gathered(self) -> None:
         self._gather_timer = None
-        if self._queue and self._running < self._max_calls:
+        if self._queue and self._running < self.settings.calls_in_flight:
             self._start_calls()
 
     def _start_calls(self) -> None:
@@ -161,35 +150,36 @@ class Dispatcher(Generic[P]):
         """The queue cut into calls of about equal images, one per free slot at most, each
         of at least `spread_images` images; [] where one call takes it (see the module's
         doc)."""
-        free = self._max_calls - self._running
-        if not self._spread_images or free < 2 or len(self._queue) > self._max_per_call:
+        settings = self.settings
+        free = settings.calls_in_flight - self._running
+        if not settings.spread_images or free < 2 or len(self._queue) > settings.requests_per_call:
             return []
         live = [(item, self._images(item)) for item, _ in self._queue if not item.done]
         total = sum(images for _, images in live)
-        calls = min(free, total // self._spread_images, len(live))
+        calls = min(free, total // settings.spread_images, len(live))
         if calls < 2:
             return []
         share = total // calls
         groups: list[list[P]] = [[]]
         placed = own = 0  # images in the groups so far, and in the last one
         for item, images in live:
-            full = own >= self._spread_images and placed >= share * len(groups)
+            full = own >= settings.spread_images and placed >= share * len(groups)
             if full and len(groups) < calls:
                 groups.append([])
                 own = 0
             groups[-1].append(item)
             placed, own = placed + images, own + images
-        if len(groups) > 1 and own < self._spread_images:  # lumpy items: the last one short
+        if len(groups) > 1 and own < settings.spread_images:  # lumpy items: the last one short
             groups[-2].extend(groups.pop())
-        if self._max_images and any(
-            sum(map(self._images, group[1:])) > self._max_images for group in groups
+        if settings.max_images and any(
+            sum(map(self._images, group[1:])) > settings.max_images for group in groups
         ):
             return []  # calls past the bound: _take's bounded calls instead
         self._queue.clear()
         return groups
 
     def _take(self) -> list[P]:
-        if len(self._queue) > self._max_per_call or self._max_images:
+        if len(self._queue) > self.settings.requests_per_call or self.settings.max_images:
             return self._take_in_turn()
         # answered meanwhile (a deadline passed): not sent
         items = [item for item, _ in self._queue if not item.done]
@@ -211,11 +201,11 @@ class Dispatcher(Generic[P]):
             itertools.zip_longest(*(by_flow[flow] for flow in flows))
         )
         taken: set[int] = set()
-        images = 0
+        images, most = 0, self.settings.max_images
         for index in (i for i in in_turn if i is not None):
             size = self._images(queued[index][0])
-            full = self._max_images and images + size > self._max_images
-            if taken and (len(taken) == self._max_per_call or full):
+            full = most and images + size > most
+            if taken and (len(taken) == self.settings.requests_per_call or full):
                 break
             taken.add(index)
             images += size
@@ -253,7 +243,7 @@ class Dispatcher(Generic[P]):
             self._spilled -= 1
         else:
             self._running -= 1
-        if self._queue and self._running < self._max_calls:
+        if self._queue and self._running < self.settings.calls_in_flight:
             self._fill_slot()
 
     def _spill(self) -> None:
@@ -263,10 +253,10 @@ class Dispatcher(Generic[P]):
         if not self._queue:
             return
         waited = self._clock() - self._queue[0][1]
-        if waited >= self._spill_after_s and self._spilled < self._max_calls:
+        if waited >= self.settings.spill_after_s and self._spilled < self.settings.calls_in_flight:
             self._start(self._take(), spill=True)
             waited = 0.0
         if self._queue:
             self._spill_timer = asyncio.get_running_loop().call_later(
-                max(self._spill_after_s - waited, 0.001), self._spill
+                max(self.settings.spill_after_s - waited, 0.001), self._spill
             )

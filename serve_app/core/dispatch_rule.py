@@ -24,14 +24,13 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from serve_app.core.dispatch import DispatchSettings
 from serve_app.tuning import (
     BATCHES_PER_CALL_CPU,
     CALLS_PER_CALLEE_REPLICA,
-    GATHER_S,
     MIN_CALLS_GPU,
     REQUESTS_PER_CALL_CPU,
     REQUESTS_PER_CALL_GPU,
-    SPILL_AFTER_S,
 )
 
 logger = logging.getLogger(__name__)
@@ -44,16 +43,6 @@ class Fleet:
     callee_replicas: int = 1  # live replicas of the deployment it calls (1 in `direct`)
     ingress_replicas: int = 1  # live ingress replicas, which share the load
     cores: int = field(default_factory=lambda: host_cores())  # this host's
-
-
-@dataclass(frozen=True)
-class DispatchSettings:
-    requests_per_call: int
-    calls_in_flight: int  # per ingress replica; as many extra calls may spill
-    gather_s: float = GATHER_S
-    spill_after_s: float = SPILL_AFTER_S
-    spread_images: int = 0  # a burst goes over free slots in calls of this many images (0: never)
-    max_images: int = 0  # images a call carries past its first request (0: no bound)
 
 
 def dispatch_settings(

@@ -24,8 +24,8 @@ from opentelemetry.trace import Span
 from engines.base import EngineInfo
 from engines.scores import DEFAULT_TOP_K
 from serve_app.config import AppConfig
-from serve_app.core.dispatch import Dispatcher
-from serve_app.core.dispatch_rule import DispatchSettings, Fleet, dispatch_settings
+from serve_app.core.dispatch import Dispatcher, DispatchSettings
+from serve_app.core.dispatch_rule import Fleet, dispatch_settings
 from serve_app.core.messages import Answer, Batch, Failure, Job, Served, copied
 from serve_app.core.result_cache import CachedRequests, Part, cacheable
 from serve_app.errors import (
@@ -143,28 +143,17 @@ class ServingCore:
         direct = self._config.topology == "direct"
         return dispatch_settings(fleet, engine.device != "cpu", engine.max_batch_size, direct)
 
-    def _dispatch_args(self, key: str, fleet: Fleet) -> dict[str, int | float]:
-        """`key`'s dispatcher's settings for `fleet`, as Dispatcher takes them."""
+    def _settings_for(self, key: str, fleet: Fleet) -> DispatchSettings:
+        """`key`'s dispatcher's settings for `fleet` (logged where they change)."""
         # a key not routed ("": jobs built without one, in tests): the first routed one
         engine = self._engines.get(key) or next(iter(self._engines.values()), None)
         if engine is None:  # no version routed yet: nothing to call
-            return self._dispatch_args_of(DispatchSettings(requests_per_call=1, calls_in_flight=1))
+            return DispatchSettings(requests_per_call=1, calls_in_flight=1)
         settings = self._settings(fleet, engine)
         if self._applied.get(key) != settings:
             logger.info("dispatching %s: %s, for %s", key or "the default model", settings, fleet)
             self._applied[key] = settings
-        return self._dispatch_args_of(settings)
-
-    @staticmethod
-    def _dispatch_args_of(settings: DispatchSettings) -> dict[str, int | float]:
-        return {
-            "max_per_call": settings.requests_per_call,
-            "max_calls": settings.calls_in_flight,
-            "gather_s": settings.gather_s,
-            "spill_after_s": settings.spill_after_s,
-            "spread_images": settings.spread_images,
-            "max_images": settings.max_images,
-        }
+        return settings
 
     def _retune(self) -> None:
         """Every RETUNE_S: the dispatchers' settings for the replicas seen now."""
@@ -172,7 +161,7 @@ class ServingCore:
             return
         fleet = self._fleet()
         for key, dispatcher in self._dispatchers.items():
-            dispatcher.retune(**self._dispatch_args(key, fleet))
+            dispatcher.retune(self._settings_for(key, fleet))
 
     def _dispatcher(self, key: str) -> Dispatcher:
         now = time.monotonic()
@@ -182,10 +171,10 @@ class ServingCore:
         if key not in self._dispatchers:
             self._dispatchers[key] = Dispatcher(
                 lambda items: self._call(key, items),
+                self._settings_for(key, self._fleet()),
                 images=lambda item: item.job.count if item.job else 0,
                 # the stream or connection it came on (a cached request's Part has its job)
                 flow=lambda item: item.job.flow if item.job else "",
-                **self._dispatch_args(key, self._fleet()),
             )
         return self._dispatchers[key]
 

@@ -50,9 +50,7 @@ class Route:
     def up_to_inference(self) -> tuple[str, ...]:
         """The deployments whose handles the ingress holds: those up to the one holding
         inference (it asks the last for what is served)."""
-        names = self.deployments
-        inference = next(i for i, group in enumerate(self.groups) if "inference" in group)
-        return names[: inference + 1]
+        return self.deployments[: _holding_inference(self.groups) + 1]
 
     @property
     def over_ports(self) -> bool:
@@ -82,10 +80,15 @@ def route(config: AppConfig) -> Route:
         callers = [INGRESS, *names[:-1]]
         hops = (Hop(a, b, "port") for a, b in zip(callers, names, strict=True))
         return Route(stage_groups, tuple(hops))
-    inference = next(i for i, group in enumerate(stage_groups) if "inference" in group)
+    inference = _holding_inference(stage_groups)
     callers = [INGRESS] * (inference + 1) + names[inference:-1]
     hops = (Hop(a, b, "handle") for a, b in zip(callers, names, strict=True))
     return Route(stage_groups, tuple(hops))
+
+
+def _holding_inference(stage_groups: tuple[Group, ...]) -> int:
+    """The index of the stage group that runs inference."""
+    return next(i for i, group in enumerate(stage_groups) if "inference" in group)
 
 
 @dataclass(frozen=True)

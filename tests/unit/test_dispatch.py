@@ -41,10 +41,13 @@ async def _finish(calls: Calls, dispatcher) -> None:
 
 
 async def test_a_call_takes_what_queued_while_the_calls_were_busy() -> None:
-    from serve_app.core.dispatch import Dispatcher
+    from serve_app.core.dispatch import Dispatcher, DispatchSettings
 
     calls = Calls()
-    dispatcher = Dispatcher(calls, max_per_call=2, max_calls=1, spill_after_s=60)
+    dispatcher = Dispatcher(
+        calls,
+        DispatchSettings(requests_per_call=2, calls_in_flight=1, spill_after_s=60, gather_s=0.0),
+    )
     for name in "abcd":
         dispatcher.submit(Item(name))
     await until(lambda: calls.sent == [["a"]])
@@ -59,10 +62,13 @@ async def test_a_call_takes_what_queued_while_the_calls_were_busy() -> None:
 async def test_a_request_behind_stuck_calls_spills_into_a_call_of_its_own() -> None:
     """A call stuck on slow work (a client's expensive images) must not hold the next
     request: after spill_after_s it goes in an extra call."""
-    from serve_app.core.dispatch import Dispatcher
+    from serve_app.core.dispatch import Dispatcher, DispatchSettings
 
     calls = Calls()
-    dispatcher = Dispatcher(calls, max_per_call=8, max_calls=1, spill_after_s=0.01)
+    dispatcher = Dispatcher(
+        calls,
+        DispatchSettings(requests_per_call=8, calls_in_flight=1, spill_after_s=0.01, gather_s=0.0),
+    )
     dispatcher.submit(Item("slow"))
     await until(lambda: len(calls.sent) == 1)
     dispatcher.submit(Item("quick"))
@@ -75,11 +81,13 @@ async def test_a_request_behind_stuck_calls_spills_into_a_call_of_its_own() -> N
 async def test_a_backlog_s_calls_take_the_streams_in_turn() -> None:
     """One client queued many requests on two streams; another stream's one request goes in
     the next call, not after the backlog, and each call keeps the order requests came in."""
-    from serve_app.core.dispatch import Dispatcher
+    from serve_app.core.dispatch import Dispatcher, DispatchSettings
 
     calls = Calls()
     dispatcher = Dispatcher(
-        calls, max_per_call=4, max_calls=1, spill_after_s=60, flow=lambda item: item.name[0]
+        calls,
+        DispatchSettings(requests_per_call=4, calls_in_flight=1, spill_after_s=60, gather_s=0.0),
+        flow=lambda item: item.name[0],
     )
     dispatcher.submit(Item("a0"))  # the call in flight
     await until(lambda: len(calls.sent) == 1)
@@ -105,11 +113,13 @@ async def test_a_backlog_s_calls_take_the_streams_in_turn() -> None:
 async def test_more_streams_than_a_call_takes_each_get_their_turn() -> None:
     """Calls smaller than the number of streams: the stream that came last still gets into
     the next calls, not after every older stream's backlog."""
-    from serve_app.core.dispatch import Dispatcher
+    from serve_app.core.dispatch import Dispatcher, DispatchSettings
 
     calls = Calls()
     dispatcher = Dispatcher(
-        calls, max_per_call=2, max_calls=1, spill_after_s=60, flow=lambda item: item.name[0]
+        calls,
+        DispatchSettings(requests_per_call=2, calls_in_flight=1, spill_after_s=60, gather_s=0.0),
+        flow=lambda item: item.name[0],
     )
     dispatcher.submit(Item("x"))  # the call in flight
     await until(lambda: len(calls.sent) == 1)
@@ -125,13 +135,11 @@ async def test_more_streams_than_a_call_takes_each_get_their_turn() -> None:
 
 
 async def test_a_call_carries_at_most_max_images_past_its_first_item() -> None:
-    from serve_app.core.dispatch import Dispatcher
+    from serve_app.core.dispatch import Dispatcher, DispatchSettings
 
     calls = Calls()
-    dispatcher = Dispatcher(
-        calls, max_per_call=8, max_calls=1, spill_after_s=60, max_images=10,
-        images=lambda item: item.images,
-    )  # fmt: skip
+    settings = DispatchSettings(8, 1, gather_s=0.0, spill_after_s=60, max_images=10)
+    dispatcher = Dispatcher(calls, settings, images=lambda item: item.images)
     dispatcher.submit(Item("big", images=20))  # alone over the bound: it still goes
     await until(lambda: len(calls.sent) == 1)
     for name in "abc":
@@ -144,10 +152,13 @@ async def test_a_call_carries_at_most_max_images_past_its_first_item() -> None:
 
 
 async def test_answered_items_are_not_sent() -> None:
-    from serve_app.core.dispatch import Dispatcher
+    from serve_app.core.dispatch import Dispatcher, DispatchSettings
 
     calls = Calls()
-    dispatcher = Dispatcher(calls, max_per_call=8, max_calls=1, spill_after_s=60)
+    dispatcher = Dispatcher(
+        calls,
+        DispatchSettings(requests_per_call=8, calls_in_flight=1, spill_after_s=60, gather_s=0.0),
+    )
     dispatcher.submit(Item("a"))
     expired = Item("expired")
     dispatcher.submit(expired)
@@ -189,11 +200,13 @@ async def _turns(n: int = 3) -> None:
 
 
 async def test_a_free_slot_gathers_while_calls_run_and_requests_come_fast(monkeypatch) -> None:
-    from serve_app.core.dispatch import Dispatcher
+    from serve_app.core.dispatch import Dispatcher, DispatchSettings
 
     calls = Calls()
     dispatcher = Dispatcher(
-        calls, max_per_call=8, max_calls=2, gather_s=0.2, spill_after_s=60, clock=Clock()
+        calls,
+        DispatchSettings(requests_per_call=8, calls_in_flight=2, gather_s=0.2, spill_after_s=60),
+        clock=Clock(),
     )
     await _burst_after_a_call(dispatcher, monkeypatch)
     dispatcher.submit(Item("b"))  # a slot is free, but 17/s x 0.2 s: more are expected
@@ -207,11 +220,13 @@ async def test_a_free_slot_gathers_while_calls_run_and_requests_come_fast(monkey
 
 
 async def test_a_lone_request_goes_at_once_when_requests_come_slowly(monkeypatch) -> None:
-    from serve_app.core.dispatch import Dispatcher
+    from serve_app.core.dispatch import Dispatcher, DispatchSettings
 
     calls = Calls()
     dispatcher = Dispatcher(
-        calls, max_per_call=8, max_calls=2, gather_s=10, spill_after_s=60, clock=Clock()
+        calls,
+        DispatchSettings(requests_per_call=8, calls_in_flight=2, gather_s=10, spill_after_s=60),
+        clock=Clock(),
     )
     await _burst_after_a_call(dispatcher, monkeypatch, spacing_s=20)
     dispatcher.submit(Item("b"))  # 0.05/s x 10 s: nothing more expected meanwhile
@@ -222,11 +237,13 @@ async def test_a_lone_request_goes_at_once_when_requests_come_slowly(monkeypatch
 
 
 async def test_a_full_call_goes_at_once_while_gathering(monkeypatch) -> None:
-    from serve_app.core.dispatch import Dispatcher
+    from serve_app.core.dispatch import Dispatcher, DispatchSettings
 
     calls = Calls()
     dispatcher = Dispatcher(
-        calls, max_per_call=2, max_calls=2, gather_s=10, spill_after_s=60, clock=Clock()
+        calls,
+        DispatchSettings(requests_per_call=2, calls_in_flight=2, gather_s=10, spill_after_s=60),
+        clock=Clock(),
     )
     await _burst_after_a_call(dispatcher, monkeypatch)
     dispatcher.submit(Item("b"))
@@ -238,17 +255,19 @@ async def test_a_full_call_goes_at_once_while_gathering(monkeypatch) -> None:
 
 
 def _spreading(calls: Calls, spread_images: int, max_calls: int = 4, max_images: int = 0):
-    from serve_app.core.dispatch import Dispatcher
+    from serve_app.core.dispatch import Dispatcher, DispatchSettings
 
     return Dispatcher(
         calls,
-        max_per_call=16,
-        max_calls=max_calls,
-        gather_s=0.2,
-        spill_after_s=60,
-        spread_images=spread_images,
+        DispatchSettings(
+            requests_per_call=16,
+            calls_in_flight=max_calls,
+            gather_s=0.2,
+            spill_after_s=60,
+            spread_images=spread_images,
+            max_images=max_images,
+        ),
         images=lambda item: item.images,
-        max_images=max_images,
         clock=Clock(),
     )
 
