@@ -1,10 +1,11 @@
 """Resize and center-crop a request's decoded JPEGs on the GPU in one kernel launch.
 
-`engines.gpu_decode.crop_batch` resizes with `F.interpolate` (bilinear, antialiased) once
-per distinct image size, then crops, rounds and scatters the rows: about ten kernel launches
-per size, each a chance to queue behind the other replicas' work on a shared GPU. For 8
-photos of mixed sizes that took 1.5 ms of the decode stage's 3.4 (12 processes under MPS at
-5,000 img/s, `bench/decode_procs.py --gap-ms 15`, one H100). This kernel reads every image
+Without it, `engines.gpu_decode.crop_batch` resizes with `F.interpolate` (bilinear,
+antialiased) per distinct image size, then crops, rounds and scatters the rows: ten or more
+kernel launches per size, each a chance to queue behind the other replicas' work on a shared
+GPU. For 8 photos of mixed sizes that took 1.5 ms of the decode stage's 3.4 (in one pass; 12
+processes under MPS at 5,000 img/s, `bench/decode_procs.py --gap-ms 15`, one H100). This
+kernel reads every image
 where nvJPEG left it (a table of device pointers) and writes the (N, S, S, 3) uint8 crops
 directly. Each output pixel is computed as PIL's `resize(BILINEAR)` computes it, the model's
 reference preprocessing: a horizontal pass whose rows are rounded to bytes, then a vertical

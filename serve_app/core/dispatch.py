@@ -1,12 +1,12 @@
 """The ingress' micro-batching: requests from every stream go to the stages in calls that
 carry many of them.
 
-A Ray call costs milliseconds of CPU whatever it carries, so while `calls_in_flight` calls
-are in flight new requests queue, and the next call takes everything queued (up to
+A Ray call costs milliseconds of CPU whatever it carries, so while `settings.calls_in_flight`
+calls are in flight new requests queue, and the next call takes everything queued (up to
 `requests_per_call`); at low load a lone request goes at once. A request that waited
-`spill_after_s` while every call stayed busy goes in an extra call (at most
-`calls_in_flight` extra at once): a call stuck on one client's expensive images must not hold
-everyone else's requests.
+`spill_after_s` while every call stayed busy goes in an extra call (at most that many extra
+at once): a call stuck on one client's expensive images must not hold everyone else's
+requests.
 
 A free call slot is not taken by the first request to come while other calls are in flight
 and requests arrive fast: it waits up to `gather_s` for more. Otherwise, under load, the

@@ -104,8 +104,8 @@ def test_a_ray_client_without_the_token_cannot_connect(cluster) -> None:
     assert urlopen_error(cluster.dashboard + "/api/v0/nodes") in (401, 403)
     for address in (cluster.address, f"ray://127.0.0.1:{CLIENT_PORT}"):  # with the token
         allowed = _driver(cluster, address, token=True)
-        why = allowed.stderr[-2000:] + _client_server_log(cluster)
-        assert allowed.returncode == 0 and "nodes 3" in allowed.stdout, why
+        ok = allowed.returncode == 0 and "nodes 3" in allowed.stdout
+        assert ok, allowed.stderr[-2000:] + _client_server_log(cluster)
 
 
 def _client_server_log(cluster: LoopbackCluster) -> str:

@@ -14,7 +14,7 @@ from support import until
 
 from raystream.v1 import classifier_pb2 as pb
 from serve_app.config import STAGES, AppConfig, EngineConfig
-from serve_app.core.dispatch_rule import DispatchSettings
+from serve_app.core.dispatch import DispatchSettings
 from serve_app.core.messages import Answer, Batch, Job
 from serve_app.core.serving import ServingCore
 from serve_app.pipeline.topology import StageGroup

@@ -56,7 +56,7 @@ async def test_a_call_takes_what_queued_while_the_calls_were_busy() -> None:
     calls.gates[1].set()
     await until(lambda: len(calls.sent) == 3)
     calls.gates[2].set()
-    assert calls.sent == [["a"], ["b", "c"], ["d"]]  # at most max_per_call each
+    assert calls.sent == [["a"], ["b", "c"], ["d"]]  # at most requests_per_call each
 
 
 async def test_a_request_behind_stuck_calls_spills_into_a_call_of_its_own() -> None:
@@ -247,21 +247,21 @@ async def test_a_full_call_goes_at_once_while_gathering(monkeypatch) -> None:
     )
     await _burst_after_a_call(dispatcher, monkeypatch)
     dispatcher.submit(Item("b"))
-    dispatcher.submit(Item("c"))  # max_per_call reached: no reason to wait
+    dispatcher.submit(Item("c"))  # requests_per_call reached: no reason to wait
     await _turns()
     assert calls.sent == [["a"], ["b", "c"]]
     for gate in calls.gates:
         gate.set()
 
 
-def _spreading(calls: Calls, spread_images: int, max_calls: int = 4, max_images: int = 0):
+def _spreading(calls: Calls, spread_images: int, calls_in_flight: int = 4, max_images: int = 0):
     from serve_app.core.dispatch import Dispatcher, DispatchSettings
 
     return Dispatcher(
         calls,
         DispatchSettings(
             requests_per_call=16,
-            calls_in_flight=max_calls,
+            calls_in_flight=calls_in_flight,
             gather_s=0.2,
             spill_after_s=60,
             spread_images=spread_images,
@@ -336,7 +336,7 @@ async def test_no_spread_below_the_minimum_or_when_off(monkeypatch) -> None:
 async def test_no_spread_without_free_slots(monkeypatch) -> None:
     """Under full load calls stay full: with one slot free the burst goes in one call."""
     calls = Calls()
-    dispatcher = _spreading(calls, spread_images=8, max_calls=2)
+    dispatcher = _spreading(calls, spread_images=8, calls_in_flight=2)
     sent = await _gathered_burst(dispatcher, calls, monkeypatch, [8] * 6)
     assert sent == [["a"], [f"i{n}" for n in range(6)]]
 

@@ -86,7 +86,7 @@ def test_the_gpu_resize_gives_pils_pixels() -> None:
     crop kernel computes the same) against PIL's bilinear resize, the model's reference: equal
     at exactly 2x and when enlarging; at other scales at most a grey level off on under 2% of
     the values (PIL's weights are fixed-point, these float: a sum on an exact half can round
-    apart)."""
+    apart); a portrait taller than 2:1, which Pillow resizes height first, on under 20%."""
     from skimage import data
 
     from engines.gpu_decode import crop_batch, resized_size
@@ -100,6 +100,7 @@ def test_the_gpu_resize_gives_pils_pixels() -> None:
         "enlarged": (np.random.default_rng(0).integers(0, 256, (100, 150, 3), np.uint8), 0.0),
         "chelsea": (data.chelsea(), 0.02),
         "rocket": (data.rocket(), 0.02),
+        "tall": (np.asarray(Image.fromarray(data.coffee()).resize((400, 900))), 0.2),
     }
     for name, (pixels, off_at_most) in cases.items():
         height, width = resized_size(pixels.shape[0], pixels.shape[1], spec)

@@ -13,7 +13,7 @@ from raystream.oip import grpc_predict_v2_pb2 as oip
 from raystream.v1 import classifier_pb2 as pb
 from serve_app.config import STAGES, AppConfig, EngineConfig
 from serve_app.core import result_cache
-from serve_app.core.dispatch_rule import DispatchSettings
+from serve_app.core.dispatch import DispatchSettings
 from serve_app.core.messages import Answer, Batch, Job, OipOutput
 from serve_app.core.result_cache import ENTRY_OVERHEAD, ResultCache, image_keys
 from serve_app.core.serving import ServingCore
