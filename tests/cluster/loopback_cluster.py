@@ -516,6 +516,34 @@ class Tap:
                 self.payload += tcp[(tcp[12] >> 4) * 4 :]
 
 
+class PortCut:
+    """Every TCP packet to or from `port` on loopback dropped while it is on, as a firewall
+    would drop a node's ports: the process behind it runs on, nothing reaches it or comes
+    back. Traffic control on this namespace's `lo` (htb and u32; this kernel has neither
+    nftables nor tc's drop action): the port's packets go to a class of 8 bits a second
+    with a queue of one packet; every other packet goes on."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    def on(self) -> None:
+        for command in (
+            "qdisc add dev lo root handle 1: htb default 1",
+            "class add dev lo parent 1: classid 1:1 htb rate 100gbit",
+            "class add dev lo parent 1: classid 1:2 htb rate 8bit ceil 8bit",
+            "qdisc add dev lo parent 1:2 handle 20: pfifo limit 1",
+            *(
+                f"filter add dev lo parent 1: protocol ip prio 1 u32 match ip {way} {self.port} "
+                "0xffff flowid 1:2"
+                for way in ("dport", "sport")
+            ),
+        ):
+            subprocess.run(["tc", *command.split()], check=True, capture_output=True)
+
+    def off(self) -> None:
+        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
+
+
 def wait_for(check, timeout: float, every: float = 0.5, what: str = "condition"):
     """Poll `check()` until it returns something true; that value."""
     give_up = time.monotonic() + timeout

@@ -1,9 +1,10 @@
 """Stage links and the model registry under faults on a multi-node Ray cluster (`make
 test-cluster`): a head (the ingress), node a (Preprocess, Postprocess), node b and node d
 (one Inference replica each), node d's Python processes seeing a clock 60 s ahead. A steady
-stream goes on while node b's Inference replica is frozen (SIGSTOP); node d's replica
-reports and serves; 200 replica reports start and stop; the registry comes back to the live
-replicas. Inference runs the echo engine (20 ms a batch): the latencies are the link's.
+stream goes on while node b's Inference replica is frozen (SIGSTOP), and again while it is
+cut off the network (every packet of its stage port dropped); node d's replica reports and
+serves; 200 replica reports start and stop; the registry comes back to the live replicas.
+Inference runs the echo engine (20 ms a batch): the latencies are the link's.
 
 The tests share one cluster and run in file order."""
 
@@ -24,13 +25,14 @@ from loopback_cluster import (
     APP,
     HOST,
     LoopbackCluster,
+    PortCut,
     deploy_raystream,
     in_private_network,
     wait_for,
 )
 
 from serve_app.models.registry import FRESH_S
-from serve_app.tuning import BEAT_S, SILENT_S
+from serve_app.tuning import BEAT_S, CONNECT_TIMEOUT_S, SILENT_S
 
 from conftest import ROOT
 
@@ -198,6 +200,37 @@ def test_a_frozen_replica_costs_a_call_at_most_the_silence_limit(cluster, deploy
     lost = after["link_down"] - before.get("link_down", 0)
     print("failures of the frozen address:", failures, "calls link_down:", lost)
     assert 1 <= lost <= 3, (lost, after)  # the calls on the link when it froze, no more
+
+
+def test_a_replica_cut_off_the_network_costs_a_call_at_most_the_connect_timeout(
+    cluster, deployed
+) -> None:
+    """Node b's Inference replica cut off for 10 s mid-stream: every packet to or from its
+    stage port dropped (the process runs on). Every request is answered once, OK; none waits
+    more than the connect timeout over the stream's normal latency (the link on the port goes
+    silent, a new connect gets no answer); the link notices the silence."""
+    (cut,) = [r for r in _replicas(cluster, "Inference") if cluster.node_of(r["node_id"]) == "b"]
+    reported = _driver(cluster, f"print(json.dumps(reports('Inference')[{cut['replica_id']!r}]))")
+    address = reported["address"]
+    # (the replica frozen by the test before takes calls again: the silence below says so)
+    silences = _serve_log(cluster, "Preprocess").count(f"the stage port {address} sent nothing")
+    port = PortCut(int(address.rsplit(":", 1)[1]))
+    events = (
+        bench.Event(0, "stream", lambda: 0),
+        bench.Event(6, "cut", lambda: port.on() or 0),
+        bench.Event(16, "joined", lambda: port.off() or 0),
+    )
+    try:
+        report = bench.measure(cluster, deployed, [bench.Phase("stream", 24, 10)], events=events)
+    finally:
+        port.off()
+    whole = report["headline"]["stream"]["latency_next_40s"]
+    normal = max(r["p99_ms"] or 0 for r in report["per_second"] if r["t"] < 6)
+    print("through the cut:", whole, "normal p99 before:", normal)  # pytest -s
+    assert report["exactly_once"] and set(report["requests"]["codes"]) == {"OK"}, report
+    assert whole["max_ms"] <= normal + 1000 * CONNECT_TIMEOUT_S + 500, whole
+    log = _serve_log(cluster, "Preprocess")
+    assert log.count(f"the stage port {address} sent nothing") > silences
 
 
 def test_a_node_whose_clock_is_60_s_ahead_serves_and_its_replica_expires_in_time(
