@@ -5,14 +5,14 @@ antialiased) per distinct image size, then crops, rounds and scatters the rows: 
 kernel launches per size, each a chance to queue behind the other replicas' work on a shared
 GPU. For 8 photos of mixed sizes that took 1.5 ms of the decode stage's 3.4 (in one pass; 12
 processes under MPS at 5,000 img/s, `bench/decode_procs.py --gap-ms 15`, one H100). This
-kernel reads every image
-where nvJPEG left it (a table of device pointers) and writes the (N, S, S, 3) uint8 crops
-directly. Each output pixel is computed as PIL's `resize(BILINEAR)` computes it, the model's
-reference preprocessing: a horizontal pass whose rows are rounded to bytes, then a vertical
-pass over those rows, rounded again, halves up, with the triangle filter's weights (PIL's and
-PyTorch's antialiased bilinear agree; PIL's are fixed-point, these float, so where a sum lands
-on an exact half the two can round a grey level apart). Its pixels equal `crop_batch`'s torch
-path within one grey level (float sums in another order; tests/gpu/test_nvjpeg.py).
+kernel reads every image where nvJPEG left it (a table of device pointers) and writes the
+(N, S, S, 3) uint8 crops directly. Each output pixel is computed as PIL's `resize(BILINEAR)`
+computes it, the model's reference preprocessing: a horizontal pass whose rows are rounded
+to bytes, then a vertical pass over those rows, rounded again, halves up, with the triangle
+filter's weights (PIL's and PyTorch's antialiased bilinear agree; PIL's are fixed-point,
+these float, so where a sum lands on an exact half the two can round a grey level apart).
+Its pixels equal `crop_batch`'s torch path within one grey level (float sums in another
+order; tests/gpu/test_nvjpeg.py).
 
 Triton compiles it on first use (the decoder's warm-up) and caches it on disk. Where Triton
 does not import or cannot build the kernel (no C compiler for its launcher, say),

@@ -196,11 +196,10 @@ def interpolate_and_crop(
     PIL's, darker on average, which moves the embedding to cosine 0.998 of the reference's.
     (Pillow 13 takes the height first for some shapes, portraits taller than 2:1 among them:
     there a tenth of the values are a grey level off either way, cosine 0.9995 or more.)
-    Images of the same
-    size resize in one call (catalog photos often share a size) and land in their rows with
-    one scatter, so the kernel launches grow with the number of distinct sizes, not of
-    images. The rows' indices go up from pinned memory: from pageable memory the copy would
-    wait for the stream."""
+    Images of the same size resize in one call (catalog photos often share a size) and land
+    in their rows with one scatter, so the kernel launches grow with the number of distinct
+    sizes, not of images. The rows' indices go up from pinned memory: from pageable memory
+    the copy would wait for the stream."""
     groups: dict[tuple[int, int], list[int]] = {}
     for index, image in enumerate(images):
         groups.setdefault(tuple(image.shape[1:]), []).append(index)

@@ -87,9 +87,10 @@ def test_the_gpu_resize_gives_pils_pixels() -> None:
     at exactly 2x and when enlarging; at other scales at most a grey level off on under 2% of
     the values (PIL's weights are fixed-point, these float: a sum on an exact half can round
     apart); a portrait taller than 2:1, which Pillow resizes height first, on under 20%."""
+    from fidelity import reference_crop
     from skimage import data
 
-    from engines.gpu_decode import crop_batch, resized_size
+    from engines.gpu_decode import crop_batch
     from engines.repository import PreprocessSpec
 
     spec = PreprocessSpec()
@@ -103,10 +104,7 @@ def test_the_gpu_resize_gives_pils_pixels() -> None:
         "tall": (np.asarray(Image.fromarray(data.coffee()).resize((400, 900))), 0.2),
     }
     for name, (pixels, off_at_most) in cases.items():
-        height, width = resized_size(pixels.shape[0], pixels.shape[1], spec)
-        resized = np.asarray(Image.fromarray(pixels).resize((width, height), Image.BILINEAR))
-        top, left = (height - spec.input_size) // 2, (width - spec.input_size) // 2
-        pil = resized[top : top + spec.input_size, left : left + spec.input_size]
+        pil = reference_crop(encode(pixels, "PNG"), spec.input_size, spec.resize_size)
         image = torch.from_numpy(pixels.copy()).permute(2, 0, 1).contiguous()
         crop = crop_batch([image], spec)[0].numpy()
         difference = np.abs(crop.astype(np.int16) - pil)
