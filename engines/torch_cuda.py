@@ -17,6 +17,7 @@ import torch
 
 from engines.base import EngineError, EngineInfo
 from engines.buckets import buckets_up_to
+from engines.compile_once import compile_key, compile_once
 from engines.cuda_graphs import (
     CapturedGraph,
     GraphEngine,
@@ -52,6 +53,7 @@ class TorchCudaEngine(GraphEngine):
         blocking_sync: bool = False,
         autotune: bool = False,
         background_capture: bool = True,
+        compile_name: str | None = None,
     ) -> None:
         """`module` returns the logits, or (logits, embedding) where `embedding_dim` > 0.
         autotune: cuDNN times every convolution algorithm for each bucket's shapes at
@@ -64,7 +66,10 @@ class TorchCudaEngine(GraphEngine):
         time (cuDNN picks and builds every convolution's kernels for the new shapes: about
         2.5 s a bucket for EfficientNet-Lite0 on an H200), so this cuts the start by that
         much per bucket. Until a bucket joins, batches of its size run padded into a larger
-        one. `captured` is set once all are in."""
+        one. `captured` is set once all are in.
+        compile_name: names the compiled program (`from_model`: its file); with it, one
+        process of the host compiles each bucket and the others read inductor's cache
+        (engines/compile_once.py)."""
         if precision not in DTYPES:
             raise EngineError(
                 f"torch-cuda runs fp32, fp16 or bf16, got precision "
@@ -93,6 +98,8 @@ class TorchCudaEngine(GraphEngine):
             torch.compile(self._module, dynamic=False) if compile_min_batch is not None else None
         )
         self._compile_min_batch = compile_min_batch or 0
+        self._compile_name = compile_name
+        self._compiled_buckets: set[int] = set()  # compiled in this process
         self._warm_stream = torch.cuda.Stream(self.device)
         self._start_slots(slots, plan_by_latency, background=background_capture)
         self.startup_s = time.perf_counter() - start
@@ -123,11 +130,14 @@ class TorchCudaEngine(GraphEngine):
                 f"{exc}; re-run `raystream export` with this torch"
             ) from exc
         size = model.spec.preprocess.input_size
+        program = model.torch_path.stat()
+        compile_name = f"{model.torch_path.resolve()}:{program.st_size}:{program.st_mtime_ns}"
         return cls(
             module,
             input_shape=(3, size, size),
             num_classes=model.spec.num_classes,
             embedding_dim=model.spec.embedding_dim,
+            compile_name=compile_name,
             **options,
         )
 
@@ -144,9 +154,27 @@ class TorchCudaEngine(GraphEngine):
             .contiguous(memory_format=torch.channels_last)
         )
 
+    def _first_pass(self, bucket: int, batch: torch.Tensor) -> object:
+        """The bucket's function on `batch`. A compiled bucket's first pass in this process
+        compiles it: where the host's other replicas compile the same, only one at a time
+        does the work (compile_once)."""
+        fn = self._function(bucket)
+        if fn is self._module or self._compile_name is None or bucket in self._compiled_buckets:
+            return fn(batch)
+        key = compile_key(
+            self._compile_name,
+            torch.__version__,
+            torch.cuda.get_device_name(self.device),
+            self.info.precision,
+            bucket,
+        )
+        out = compile_once(key, lambda: fn(batch))
+        self._compiled_buckets.add(bucket)
+        return out
+
     def _warm_up(self, bucket: int) -> None:
         with torch.inference_mode(), torch.cuda.stream(self._warm_stream):
-            self._function(bucket)(self._random_input(bucket))
+            self._first_pass(bucket, self._random_input(bucket))
         wait_asleep(self._warm_stream)
 
     def _capture(self, bucket: int, slot: Slot) -> CapturedGraph:
@@ -155,7 +183,7 @@ class TorchCudaEngine(GraphEngine):
         with torch.cuda.stream(slot.stream):
             static_in = self._random_input(bucket)
             for _ in range(3):  # autotuning, compilation and lazy init happen here
-                fn(static_in)
+                self._first_pass(bucket, static_in)
         slot.stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread_local: the process's other threads (nvJPEG's decode, the engine's serving
