@@ -15,6 +15,7 @@ with the same fields, read with `np.load(path)`.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,12 +146,29 @@ def writes_one_file(out: Path) -> bool:
     return out.suffix.lower() in (".parquet", ".npy") and not out.is_dir()
 
 
+def reuse_freed_memory() -> None:
+    """Let this process keep and reuse the memory it frees. With glibc's defaults, once the
+    job had written its first row group, the memory it freed went back to the kernel and
+    faulted in again for every request: 33 page faults an image, half the job's CPU. Here
+    blocks up to 32 MiB come from the heap, which keeps up to 256 MiB free before it trims:
+    1.35-1.55x the images/s against a server that answers at once, the peak memory about the
+    same. Nothing where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    libc.mallopt(m_mmap_threshold, 32 << 20)
+    libc.mallopt(m_trim_threshold, 256 << 20)
+
+
 async def embed_to_folder(args: argparse.Namespace, inputs, connection: dict) -> int:
     """Embeds `inputs` into the output folder args.out, or goes on with the job there."""
     from clients.catalog import aembed_catalog
     from clients.shard_store import FAILURES
 
     _pyarrow()
+    reuse_freed_memory()
     summary = await aembed_catalog(
         inputs,
         args.out,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import resource
 import subprocess
 import sys
 
@@ -10,6 +11,8 @@ import numpy as np
 import pytest
 
 from clients.embed_command import EmbedError, Vectors, nearest, read_vectors, write_vectors
+from raystream.v1 import classifier_pb2 as pb
+from raystream.v1 import classifier_pb2_grpc as rpc
 
 from conftest import ROOT
 
@@ -76,3 +79,71 @@ def test_the_client_side_imports_neither_ray_nor_torch_nor_onnxruntime() -> None
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
     )
     assert done.stdout.strip() == "[]"
+
+
+class _AnswersAtOnce(rpc.ImageClassifierServicer):
+    """A stand-in server: every image's vector at once, so the client's own cost shows."""
+
+    vector = pb.Embedding(values=np.ones(1280, np.float32) / np.sqrt(1280))
+
+    def Classify(self, requests, context):
+        for request in requests:
+            results = [pb.ImageResult(embedding=self.vector) for _ in request.images]
+            yield pb.ClassifyResponse(request_id=request.request_id, results=results)
+
+    def GetModelInfo(self, request, context):
+        return pb.ModelInfo(
+            name="m", version="1", embedding_dim=1280, embedding_space="m/1", max_batch_size=64
+        )
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
+def test_the_embed_job_reuses_the_memory_it_frees(tmp_path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    server = grpc.server(ThreadPoolExecutor(4), options=[("grpc.max_send_message_length", -1)])
+    rpc.add_ImageClassifierServicer_to_server(_AnswersAtOnce(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        # the sizes of the built-in photos as JPEGs, over and over (the server reads none)
+        photos = []
+        for i, size in enumerate((35_042, 72_326, 68_052, 51_929, 59_366, 35_155, 265_201)):
+            photos.append(tmp_path / f"{i}.jpg")
+            photos[-1].write_bytes(np.random.default_rng(i).bytes(size))
+        images = 24_000
+        manifest = tmp_path / "manifest.csv"
+        manifest.write_text(
+            "key,path\n" + "".join(f"k{i},{photos[i % len(photos)]}\n" for i in range(images))
+        )
+        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "clients.cli",
+                "embed",
+                "--manifest",
+                str(manifest),
+                "--key-column",
+                "key",
+                "--path-column",
+                "path",
+                "--out",
+                str(tmp_path / "out"),
+                "--server",
+                f"127.0.0.1:{port}",
+            ],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
+        faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - before
+    finally:
+        server.stop(None)
+    # Once the job had written its first row group (10,000 rows), the memory it freed went
+    # back to the kernel and faulted in again for every request: 33 page faults an image
+    # over 24,000, against 1.5 with it kept.
+    assert faults / images < 10, f"{faults / images:.0f} page faults an image"
