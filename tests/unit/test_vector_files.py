@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+from support import run_cli
 
 from clients.embed_command import EmbedError, Vectors, nearest, read_vectors, write_vectors
 from raystream.v1 import classifier_pb2 as pb
@@ -119,27 +120,12 @@ def test_the_embed_job_reuses_the_memory_it_frees(tmp_path) -> None:
             "key,path\n" + "".join(f"k{i},{photos[i % len(photos)]}\n" for i in range(images))
         )
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "clients.cli",
-                "embed",
-                "--manifest",
-                str(manifest),
-                "--key-column",
-                "key",
-                "--path-column",
-                "path",
-                "--out",
-                str(tmp_path / "out"),
-                "--server",
-                f"127.0.0.1:{port}",
-            ],
-            cwd=ROOT,
-            check=True,
-            capture_output=True,
+        done = run_cli(
+            *("embed", "--manifest", str(manifest), "--key-column", "key"),
+            *("--path-column", "path", "--out", str(tmp_path / "out")),
+            *("--server", f"127.0.0.1:{port}"),
         )
+        assert done.returncode == 0, done.stderr
         faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - before
     finally:
         server.stop(None)
