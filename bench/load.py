@@ -85,6 +85,20 @@ class LoadSpec:
     # this probability, one of a fixed set (a variant of each photo, the same in every
     # connection and run), else a photo made unique (`unique_variant`): cache hit rates.
     repeat_fraction: float | None = None
+    # None: no W3C traceparent. N >= 0: every call carries one, sampled on the first N
+    # connections and unsampled on the others. A server with tracing on keeps a sampled
+    # parent always and an unsampled one never, so it traces N/connections of the requests
+    # (closed loop: the connections go at one pace), and one running server compares them.
+    traced_connections: int | None = None
+
+    def traceparent(self, connection: int) -> tuple[tuple[str, str], ...]:
+        """The gRPC metadata of `connection`'s calls."""
+        if self.traced_connections is None:
+            return ()
+        ids = random.Random(f"{self.seed}-{connection}")
+        flags = "01" if connection < self.traced_connections else "00"
+        trace_id, span_id = ids.getrandbits(128) | 1, ids.getrandbits(64) | 1
+        return (("traceparent", f"00-{trace_id:032x}-{span_id:016x}-{flags}"),)
 
     def wanted(self) -> tuple[bool, bool]:
         """(labels, embedding) each request asks for."""
@@ -100,6 +114,8 @@ class LoadSpec:
         asked = "" if self.outputs == "labels" else f", outputs {self.outputs}"
         if self.repeat_fraction is not None:
             asked += f", {self.repeat_fraction:g} repeated"
+        if self.traced_connections is not None:
+            asked += f", traceparent sampled on {self.traced_connections}"
         return f"{self.connections} conn x {loop}, {self.images} img/request, {kind}{asked}"
 
 
@@ -302,12 +318,12 @@ async def _poisson(rate: float, rng: random.Random, start: float, end: float, st
         yield
 
 
-async def _stream(spec, channel, requests, stats, start, rng) -> None:
+async def _stream(spec, channel, requests, stats, start, rng, metadata) -> None:
     """One Classify stream: closed loop (in_flight outstanding) or open loop (Poisson)."""
     send_end = stats.window[1]
     call = channel.stream_stream(
         f"/{SERVICE}/Classify", response_deserializer=pb.ClassifyResponse.FromString
-    )()
+    )(metadata=metadata)
     outstanding: dict[str, float] = {}
     window = asyncio.Semaphore(spec.in_flight)
     reading = True
@@ -358,7 +374,7 @@ async def _stream(spec, channel, requests, stats, start, rng) -> None:
     stats.missing += len(outstanding)
 
 
-async def _unary(spec, channel, requests, stats, start, rng) -> None:
+async def _unary(spec, channel, requests, stats, start, rng, metadata) -> None:
     """ClassifyOnce calls: in_flight callers in a loop, or one call per Poisson arrival."""
     send_end = stats.window[1]
     method = channel.unary_unary(
@@ -371,7 +387,8 @@ async def _unary(spec, channel, requests, stats, start, rng) -> None:
         outstanding = {rid: sent}
         stats.sent += 1
         try:
-            response = await method(data, timeout=max(send_end + spec.drain - sent, 1.0))
+            deadline = max(send_end + spec.drain - sent, 1.0)
+            response = await method(data, timeout=deadline, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             stats.failed_call(exc.code().value[0], time.time(), sent)
         else:
@@ -422,9 +439,13 @@ async def _process_load(spec: LoadSpec, connections: list[int], photos, pipe) ->
             loop.call_later(max(at - time.time(), 0), lambda: cpu.append(time.process_time()))
         await asyncio.sleep(max(start - time.time(), 0))
         run = _unary if spec.unary else _stream
+
+        def rng(connection: int) -> random.Random:
+            return random.Random(spec.seed * 100_003 + connection)
+
         await asyncio.gather(
             *(
-                run(spec, ch, reqs, stats, start, random.Random(spec.seed * 100_003 + c))
+                run(spec, ch, reqs, stats, start, rng(c), spec.traceparent(c))
                 for ch, reqs, c in zip(channels, requests, connections, strict=True)
             )
         )
@@ -626,6 +647,11 @@ def main() -> None:
         type=float,
         help="each image repeats one of a fixed set with this probability, else is unique",
     )
+    parser.add_argument(
+        "--traced-connections",
+        type=int,
+        help="every call sends a W3C traceparent, sampled on this many connections",
+    )
     parser.add_argument("--json", type=Path, help="write the report here, not to stdout")
     parser.add_argument("--announce-window", action="store_true", help="print `window S E`")
     args = parser.parse_args()
@@ -646,6 +672,7 @@ def main() -> None:
         outputs=args.outputs,
         pixels=args.pixels,
         repeat_fraction=args.repeat_fraction,
+        traced_connections=args.traced_connections,
     )
     photos = folder_photos(args.photos) if args.photos else builtin_photos()
 

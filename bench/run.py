@@ -62,6 +62,7 @@ LOAD_FIELDS = {
     "outputs",
     "pixels",
     "repeat_fraction",
+    "traced_connections",
 }
 EXTRA_FIELDS = {
     "name",
@@ -72,6 +73,7 @@ EXTRA_FIELDS = {
     "decode_size",
     "hash_images",
     "rows",
+    "senders",
 }
 # grpc: bench/load.py; embed: `raystream embed` of `rows` photos into Parquet shards (against
 # the server); baseline and plain_server: no Serve server (see run_server)
@@ -365,10 +367,10 @@ def builtin_photos() -> Path:
 
 
 def run_embed_load(load_def: dict, target: str, path: Path) -> dict:
-    """One `raystream embed` process over a manifest of `rows` keys (the built-in photos over
+    """One `raystream embed` command over a manifest of `rows` keys (the built-in photos over
     and over), into Parquet shards in a fresh folder, with the command's own choice of
-    connections and requests in flight unless the load sets them; images/s over its whole
-    run, start and the last shard's write included."""
+    connections, requests in flight and sender processes unless the load sets them;
+    images/s over its whole run, start and the last shard's write included."""
     rows = int(load_def.get("rows", 20_000))
     work = Path(tempfile.mkdtemp(prefix="raystream-embed-"))
     photos = sorted(builtin_photos().iterdir())
@@ -379,7 +381,7 @@ def run_embed_load(load_def: dict, target: str, path: Path) -> dict:
     command = [sys.executable, "-m", "clients.cli", "embed", "--manifest", str(manifest)]
     command += ["--key-column", "key", "--path-column", "path", "--out", str(work / "out")]
     command += ["--server", target, "--timeout", "120"]
-    for field in ("connections", "in_flight"):
+    for field in ("connections", "in_flight", "senders"):
         if load_def.get(field):
             command += [f"--{field.replace('_', '-')}", str(load_def[field])]
     start = time.perf_counter()
@@ -390,7 +392,10 @@ def run_embed_load(load_def: dict, target: str, path: Path) -> dict:
         report = {"failed": f"raystream embed exited {done.returncode}: {done.stderr[-300:]}"}
     else:
         report = {"images_per_s": rows / seconds, "seconds": seconds, "rows": rows}
-        report["summary"] = f"{rows} keys in {seconds:.1f} s by one raystream embed process"
+        senders = load_def.get("senders", 1)
+        report["summary"] = f"{rows} keys in {seconds:.1f} s by one raystream embed command" + (
+            f" ({senders} sender processes)" if senders > 1 else ""
+        )
     path.write_text(json.dumps(report, indent=1))
     return report
 

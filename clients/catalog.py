@@ -26,6 +26,7 @@ import grpc
 
 from clients.catalog_inputs import CatalogInputs
 from clients.embed_job import EmbedJob
+from clients.embed_senders import SenderPool
 from clients.shard_store import JobIdentity, OutputError, ShardStore, read_state, shard_paths
 from clients.vector_index import IndexMeta, Neighbour, VectorIndex
 from clients.vector_index import build_index as _build_index
@@ -101,6 +102,7 @@ async def aembed_catalog(
     attempts: int = 5,
     commit_seconds: float = 300.0,
     dtype: str = "float32",
+    senders: int = 1,
     progress: bool | Callable[[int], None] = False,
     client_options: dict | None = None,
 ) -> EmbedSummary:
@@ -109,7 +111,10 @@ async def aembed_catalog(
     for the model the existing output was made with, else the server's default. `in_flight`:
     requests outstanding (default 64 per connection opened). `progress`: a tqdm bar on
     stderr, or a callable told of each image done. `dtype`: "float16" stores half the bytes
-    (each vector rounded from the server's float32; cosine to it >= 0.9999)."""
+    (each vector rounded from the server's float32; cosine to it >= 0.9999). `senders`:
+    above 1, that many child processes send the images, each with `connections` connections
+    and `in_flight` requests of its own (clients/embed_senders.py), for a server that answers
+    faster than one process can send."""
     from clients.client import Client
 
     out = Path(out)
@@ -146,20 +151,44 @@ async def aembed_catalog(
             on_progress = bar.update
         else:
             on_progress = progress or (lambda n: None)
-        run = EmbedJob(
-            store,
-            inputs,
-            # every vector from the version named in the output, even if another loads meanwhile
-            model=f"{info.name}/{info.version}",
-            batch_size=batch_size,
-            in_flight=in_flight or DEFAULT_IN_FLIGHT * client.connections,
-            attempts=attempts,
-            commit_seconds=commit_seconds,
-            on_progress=on_progress,
-            fp16=dtype == "float16",
-        )
+        # every vector from the version named in the output, even if another loads meanwhile
+        pinned = f"{info.name}/{info.version}"
+        if senders > 1:
+            run = SenderPool(
+                store,
+                inputs,
+                senders,
+                {
+                    "server": server,
+                    "model": pinned,
+                    "batch_size": batch_size,
+                    "in_flight": in_flight or DEFAULT_IN_FLIGHT * connections,
+                    "attempts": attempts,
+                    "fp16": dtype == "float16",
+                    "connections": connections,
+                    "client_options": client_options or {},
+                },
+                commit_seconds=commit_seconds,
+                on_progress=on_progress,
+            )
+        else:
+            run = EmbedJob(
+                store,
+                inputs,
+                model=pinned,
+                batch_size=batch_size,
+                in_flight=in_flight or DEFAULT_IN_FLIGHT * client.connections,
+                attempts=attempts,
+                commit_seconds=commit_seconds,
+                on_progress=on_progress,
+                fp16=dtype == "float16",
+            )
         try:
-            if not store.complete:
+            if store.complete:
+                pass
+            elif senders > 1:
+                await run.run()
+            else:
                 await run.run(client.stream)
         finally:
             store.close()

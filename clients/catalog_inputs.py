@@ -73,6 +73,26 @@ class CatalogInputs:
         if self._manifest is not None and not self._manifest.is_file():
             raise InputError(f"{self._manifest}: no such manifest file")
 
+    def spec(self) -> dict:
+        """What names these inputs, as JSON (`from_spec` makes them again in another process)."""
+        return {
+            "paths": [str(p) for p in self._paths],
+            "manifest": str(self._manifest) if self._manifest is not None else None,
+            "path_column": self._path_column,
+            "key_column": self._key_column,
+            "image_suffixes": sorted(self._suffixes),
+        }
+
+    @classmethod
+    def from_spec(cls, spec: dict) -> CatalogInputs:
+        return cls(
+            spec["paths"],
+            manifest=spec["manifest"],
+            path_column=spec["path_column"],
+            key_column=spec["key_column"],
+            image_suffixes=spec["image_suffixes"],
+        )
+
     def __iter__(self) -> Iterator[CatalogItem]:
         rows = self._manifest_rows() if self._manifest is not None else self._named_rows()
         for ordinal, (key, path) in enumerate(rows):

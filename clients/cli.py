@@ -232,8 +232,9 @@ def cmd_embed(args: argparse.Namespace) -> int:
     if bool(args.paths) == bool(args.manifest):
         raise CliError("give image files or folders, or --manifest: one or the other")
     if embed_command.writes_one_file(args.out):
-        if args.manifest:
-            raise CliError("--manifest writes an output folder: give --out a folder")
+        if args.manifest or args.senders > 1:
+            option = "--manifest" if args.manifest else "--senders"
+            raise CliError(f"{option} writes an output folder: give --out a folder")
         paths = _image_paths(args.paths)
         return asyncio.run(embed_command.embed(args, paths, _connection(args)))
     inputs = CatalogInputs(
@@ -594,6 +595,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=count(),
         default=None,
         help="requests outstanding (default 64 per connection)",
+    )
+    p.add_argument(
+        "--senders",
+        type=count(),
+        default=1,
+        help="processes that send the images, each with its own --connections and "
+        "--in-flight (default 1; a GPU server answers faster than one process sends: "
+        "docs/embeddings.md)",
     )
     p.add_argument(
         "--dtype",

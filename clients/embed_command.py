@@ -181,6 +181,7 @@ async def embed_to_folder(args: argparse.Namespace, inputs, connection: dict) ->
         row_group_rows=args.row_group_rows,
         attempts=args.attempts,
         dtype=args.dtype,
+        senders=args.senders,
         progress=sys.stderr.isatty(),
         client_options={"timeout": args.timeout, **connection},
     )

@@ -67,7 +67,10 @@ def test_embed_killed_and_run_again_writes_every_key_once(server, tmp_path) -> N
         "--server", server, "--shard-rows", "20", "--batch-size", "4", "--in-flight", "2",
     ]  # fmt: skip
 
-    first = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # two sender processes, killed with their parent; then three go on (any number may)
+    first = subprocess.Popen(
+        [*command, "--senders", "2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     deadline = time.monotonic() + 300
     while first.poll() is None and time.monotonic() < deadline:
         state = out / STATE
@@ -75,12 +78,20 @@ def test_embed_killed_and_run_again_writes_every_key_once(server, tmp_path) -> N
             break
         time.sleep(0.05)  # polling the state file the job writes
     assert first.poll() is None, first.communicate()
+    senders = Path(f"/proc/{first.pid}/task/{first.pid}/children").read_text().split()
+    assert len(senders) == 2
     os.kill(first.pid, signal.SIGKILL)
     first.wait()
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in senders) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the senders die with their parent
+    assert not any(Path(f"/proc/{pid}").exists() for pid in senders)
     killed = json.loads((out / STATE).read_text())["committed"]
     assert 20 <= killed["vectors"] < len(paths)
 
-    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(
+        [*command, "--senders", "3"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert again.returncode == 1, again.stderr  # the broken image
     assert f"{len(paths)} vectors of 1280 floats" in again.stdout, again.stdout
     embedded_now = int(re.search(r"(\d+) embedded by this run", again.stdout)[1])

@@ -149,3 +149,24 @@ def test_the_benchmark_loader_repeats_images_at_its_fraction(photos, model) -> N
     assert (
         len({image for data in sent for image in pb.ClassifyRequest.FromString(data).images}) == 6
     )
+
+
+def test_the_benchmark_loader_samples_the_traceparent_of_its_first_n_connections() -> None:
+    import sys
+
+    from opentelemetry import trace
+
+    from serve_app.observability.tracing import _context
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import load
+
+    assert load.LoadSpec("x", connections=4).traceparent(0) == ()
+    spec = load.LoadSpec("x", connections=4, traced_connections=1)
+    sent = [dict(spec.traceparent(c))["traceparent"] for c in range(4)]
+    contexts = [trace.get_current_span(_context(parent)).get_span_context() for parent in sent]
+    assert all(context.is_valid and context.is_remote for context in contexts)
+    assert [context.trace_flags.sampled for context in contexts] == [True, False, False, False]
+    assert len({context.trace_id for context in contexts}) == 4

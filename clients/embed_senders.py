@@ -1,0 +1,265 @@
+"""Sender processes for one embedding job (`raystream embed --senders N`): a GPU server
+answers faster than one Python process can read files, build requests and parse vectors,
+so the job can run N child processes that send, each over connections of its own, while this
+process keeps the one ShardStore (clients/shard_store.py) and its commits.
+
+Child i sends the images whose ordinal is i modulo N and are not committed yet; an image
+never goes to two children, and only this process writes the output folder, so a job killed
+at any point and run again (with any N) still ends with every image exactly once. A child
+runs the same EmbedJob as one process does (retries, backoff, failures listed), with a store
+that forwards each image's vector or failure here instead of writing it.
+
+Nothing is pickled: this process writes a child's settings as one JSON line on its stdin, and
+the child answers in frames on its stdout, each a JSON header (the images embedded and the
+images failed, or the error that ends the child) and the embedded images' vectors as raw
+bytes. A child dies with its parent
+(PR_SET_PDEATHSIG), and a child that fails ends the job: what arrived is committed, and its
+error is the job's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import struct
+import sys
+import time
+from collections.abc import Callable
+from typing import BinaryIO
+
+import numpy as np
+
+from clients.catalog_errors import CatalogError
+from clients.catalog_inputs import CatalogInputs
+from clients.shard_store import ShardStore
+
+logger = logging.getLogger(__name__)
+
+FRAME = struct.Struct("<II")  # the header's bytes, the vectors' bytes
+FLUSH_ROWS = 256  # a child sends what it has every FLUSH_ROWS images or FLUSH_SECONDS
+FLUSH_SECONDS = 0.05
+CHILD_FAILED = 3  # a child's exit code after an error it sent in its last frame
+
+
+class SenderFailed(CatalogError):
+    """A sender process failed; what the others embedded is committed."""
+
+
+# -- this process: the job ---------------------------------------------------------------
+
+
+class SenderPool:
+    """`senders` child processes that embed `inputs` into `store` (EmbedJob's counters and
+    `run`). `job`: what each child needs besides its share: server, model, batch_size,
+    in_flight, attempts, fp16, connections and client_options."""
+
+    def __init__(
+        self,
+        store: ShardStore,
+        inputs: CatalogInputs,
+        senders: int,
+        job: dict,
+        *,
+        commit_seconds: float = 300.0,
+        on_progress: Callable[[int], None] = lambda n: None,
+    ) -> None:
+        self._store = store
+        self._inputs = inputs
+        self._senders = senders
+        self._job = job
+        self._commit_seconds = commit_seconds
+        self._on_progress = on_progress
+        self.embedded = 0
+        self.failed = 0
+
+    async def run(self) -> None:
+        committed = self._store.committed
+        children = []
+        for index in range(self._senders):
+            settings = {
+                **self._job,
+                "inputs": self._inputs.spec(),
+                "share": [index, self._senders],
+                "done_below": committed.done_below,
+                "done_above": self._store.done_above,
+            }
+            child = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "clients.embed_senders",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            child.stdin.write(json.dumps(settings).encode() + b"\n")
+            await child.stdin.drain()
+            child.stdin.close()
+            children.append(child)
+        tasks = [asyncio.ensure_future(self._receive(child)) for child in children]
+        try:
+            for finished in asyncio.as_completed(tasks):
+                await finished  # the first child to fail ends the job
+        finally:
+            for child in children:
+                if child.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        child.kill()
+            # the others' frames up to the kill are kept; their errors after it are not news
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._store.commit()
+
+    async def _receive(self, child: asyncio.subprocess.Process) -> None:
+        """Frames from one child into the store, until it exits."""
+        errors: list[str] = []
+        stderr = asyncio.ensure_future(_relay(child.stderr, errors))
+        try:
+            failed = await self._frames(child.stdout)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                child.kill()  # else it waits on a full pipe for ever
+            raise
+        finally:
+            code = await child.wait()
+            await stderr
+        if failed or code != 0:
+            crashed = errors[-1] if errors else f"it exited with code {code}"
+            raise SenderFailed(failed or f"a sender process failed: {crashed}")
+
+    async def _frames(self, frames: asyncio.StreamReader) -> str:
+        """Until the child's last frame; the error that ended it, if one did."""
+        while True:
+            try:
+                sizes = await frames.readexactly(FRAME.size)
+            except asyncio.IncompleteReadError as end:
+                if end.partial:
+                    raise
+                return ""
+            header_bytes, vector_bytes = FRAME.unpack(sizes)
+            header = json.loads(await frames.readexactly(header_bytes))
+            if "error" in header:
+                return header["error"]
+            vectors = np.frombuffer(await frames.readexactly(vector_bytes), header["dtype"])
+            vectors = vectors.reshape(len(header["embedded"]), self._store.job.dim)
+            for (ordinal, key), vector in zip(header["embedded"], vectors, strict=True):
+                self._store.add(ordinal, key, vector)
+            for ordinal, key, path, code, message in header["failed"]:
+                self._store.fail(ordinal, key, path, code, message)
+            self.embedded += len(header["embedded"])
+            self.failed += len(header["failed"])
+            self._on_progress(len(header["embedded"]) + len(header["failed"]))
+            if self._store.seconds_open >= self._commit_seconds:
+                self._store.commit()
+
+
+async def _relay(stream: asyncio.StreamReader, lines: list[str]) -> None:
+    """A child's stderr (its warnings) to this process', kept for a crash's message."""
+    async for line in stream:
+        text = line.decode(errors="replace").rstrip()
+        lines.append(text)
+        print(text, file=sys.stderr)
+
+
+# -- a child: one share of the job ------------------------------------------------------
+
+
+class _ForwardingStore:
+    """What EmbedJob needs of a store, sending each image's outcome to the parent: in frames
+    of up to FLUSH_ROWS images, at least every FLUSH_SECONDS (EmbedJob commits as often)."""
+
+    def __init__(self, out: BinaryIO, done_below: int, done_above: list[int]) -> None:
+        self._out = out
+        self._done_below = done_below
+        self._done_above = set(done_above)
+        self._embedded: list[tuple[int, str]] = []
+        self._vectors: list[np.ndarray] = []
+        self._failed: list[tuple[int, str, str, str, str]] = []
+        self._sent = time.monotonic()
+
+    def is_done(self, ordinal: int) -> bool:
+        return ordinal < self._done_below or ordinal in self._done_above
+
+    def add(self, ordinal: int, key: str, vector: np.ndarray) -> None:
+        self._embedded.append((ordinal, key))
+        self._vectors.append(vector)
+        if len(self._embedded) >= FLUSH_ROWS:
+            self.commit()
+
+    def fail(self, ordinal: int, key: str, path: str, code: str, message: str) -> None:
+        self._failed.append((ordinal, key, path, code, message))
+
+    @property
+    def seconds_open(self) -> float:
+        return time.monotonic() - self._sent
+
+    def commit(self) -> None:
+        if self._embedded or self._failed:
+            vectors = np.stack(self._vectors) if self._vectors else np.zeros(0, np.float32)
+            header = {
+                "embedded": self._embedded,
+                "failed": self._failed,
+                "dtype": vectors.dtype.str,
+            }
+            header = json.dumps(header).encode()
+            self._out.write(FRAME.pack(len(header), vectors.nbytes) + header + vectors.tobytes())
+            self._out.flush()
+            self._embedded, self._vectors, self._failed = [], [], []
+        self._sent = time.monotonic()
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (Linux), as a killed job's children must."""
+    with contextlib.suppress(OSError, AttributeError):
+        pr_set_pdeathsig, sigkill = 1, 9
+        ctypes.CDLL("libc.so.6").prctl(pr_set_pdeathsig, sigkill)
+
+
+async def _send_share(settings: dict, out: BinaryIO) -> None:
+    from clients.client import Client
+    from clients.embed_job import EmbedJob
+
+    index, senders = settings["share"]
+    store = _ForwardingStore(out, settings["done_below"], settings["done_above"])
+    inputs = CatalogInputs.from_spec(settings["inputs"])
+    share = (item for item in inputs if item.ordinal % senders == index)
+    job = EmbedJob(
+        store,
+        share,
+        model=settings["model"],
+        batch_size=settings["batch_size"],
+        in_flight=settings["in_flight"],
+        attempts=settings["attempts"],
+        commit_seconds=FLUSH_SECONDS,
+        fp16=settings["fp16"],
+    )
+    options = settings["client_options"]
+    async with Client(settings["server"], connections=settings["connections"], **options) as c:
+        await job.run(c.stream)
+    store.commit()
+
+
+def main() -> int:
+    import grpc
+
+    from clients.embed_command import reuse_freed_memory
+
+    _die_with_parent()
+    reuse_freed_memory()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    settings = json.loads(sys.stdin.readline())
+    out = sys.stdout.buffer
+    try:
+        asyncio.run(_send_share(settings, out))
+    except (CatalogError, grpc.aio.AioRpcError) as exc:
+        error = str(exc) if isinstance(exc, CatalogError) else f"{exc.code().name}: {exc.details()}"
+        header = json.dumps({"error": error}).encode()
+        out.write(FRAME.pack(len(header), 0) + header)
+        out.flush()
+        return CHILD_FAILED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
