@@ -58,6 +58,16 @@ def gpu_size(data: bytes) -> tuple[int, int] | None:
     return None
 
 
+def nvjpeg_size(data: bytes, resize_size: int) -> tuple[int, int] | None:
+    """`gpu_size` of a JPEG that `decode: gpu` gives nvJPEG: one whose short side is at least
+    the resize size. nvJPEG's decode differs from PIL's in the last bits, and a smaller JPEG
+    is enlarged to the resize size, difference and all: a 300x200 photo came out at cosine
+    0.9978 to the reference preprocessing (an H100), every photo at its size or larger at
+    0.998 or more. Those go to the CPU path, where their decode is cheap."""
+    size = gpu_size(data)
+    return size if size is not None and min(size) >= resize_size else None
+
+
 def _frame_size(frame: bytes) -> tuple[int, int] | None:
     if len(frame) < 6:
         return None

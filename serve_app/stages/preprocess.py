@@ -18,7 +18,7 @@ import numpy as np
 
 from engines import images as preprocessing
 from engines.images import InvalidImage
-from engines.jpeg import gpu_size
+from engines.jpeg import nvjpeg_size
 from engines.repository import ModelRef, PreprocessSpec, resolve
 from serve_app.config import AppConfig
 from serve_app.core.messages import NO_OWNERS, Batch, Failure, StageTiming, fail_jobs
@@ -84,7 +84,8 @@ class PreprocessStage:
         limits and the request's pixel budget), and their pixels; the rest go to the pool."""
         chosen, pixels = [], 0
         for index, data in enumerate(images):
-            size = gpu_size(data) if len(data) <= self._limits.max_image_bytes else None
+            small_enough = len(data) <= self._limits.max_image_bytes
+            size = nvjpeg_size(data, self._spec.resize_size) if small_enough else None
             if size is not None:
                 cost = size[0] * size[1]
                 if cost <= self._limits.max_pixels and pixels + cost <= self._max_request_pixels:

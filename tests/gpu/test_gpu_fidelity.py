@@ -1,8 +1,9 @@
 """nvJPEG's decode paths against the model's reference preprocessing on the fidelity set
 (tests/fidelity.py): the hardware decoder through torchvision and the GPU_HYBRID backend, each
 with the one-launch crop kernel (or torch's resize where Triton is missing) and with torch's
-resize. The JPEGs nvJPEG does not take (EXIF-rotated) go to the CPU path, which
-tests/unit/test_fidelity.py checks."""
+resize. The JPEGs the served path does not give nvJPEG (EXIF-rotated, or smaller than the
+resize size: engines/jpeg.py's nvjpeg_size) go to the CPU path, which tests/unit/test_fidelity.py
+checks."""
 
 from __future__ import annotations
 
@@ -19,10 +20,6 @@ pytestmark = [
 ]
 
 
-# One H100, 22b23bb: every photo of the set at 0.998 or more but the 300x200 one, 0.9978 by
-# nvJPEG (0.9973 by GPU_HYBRID) with either resize. The GPU resize on PIL's decodes of odd
-# sizes gives 1.0000, so nvJPEG's decode itself differs there (docs/performance.md).
-@pytest.mark.xfail(strict=True, reason="nvJPEG's decode of a 300x200 photo: cosine 0.9978")
 def test_nvjpeg_paths_match_the_reference(model) -> None:
     from engines import crop_kernel
     from engines.gpu_decode import (
@@ -32,12 +29,13 @@ def test_nvjpeg_paths_match_the_reference(model) -> None:
         resized_size,
     )
     from engines.images import DecodeLimits
-    from engines.jpeg import gpu_size
+    from engines.jpeg import nvjpeg_size
     from engines.nvjpeg import HybridJpegDecoder
 
     spec = model.spec.preprocess
     reference = Reference(model, fidelity_set())
-    chosen = [i for i, s in enumerate(reference.samples) if gpu_size(s.data) is not None]
+    # the JPEGs the served path gives nvJPEG (smaller ones than the resize size go to the CPU)
+    chosen = [i for i, s in enumerate(reference.samples) if nvjpeg_size(s.data, spec.resize_size)]
     jpegs = [reference.samples[i].data for i in chosen]
     resize = "crop kernel" if crop_kernel.available(spec.input_size) else "torch resize"
     decoder = GpuJpegDecoder(spec, DecodeLimits())

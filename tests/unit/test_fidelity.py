@@ -13,7 +13,7 @@ from fidelity import MIN_COSINE, Reference, fidelity_set
 from PIL import Image, ImageOps
 
 from engines import images
-from engines.jpeg import gpu_size
+from engines.jpeg import nvjpeg_size
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def test_the_set_covers_every_class_and_dct_scaling(model, reference) -> None:
     kinds = {s.kind for s in reference.samples}
     assert kinds >= {"2/4/8x crop", "2/4/8x resize", "odd", "grayscale", "progressive"}
     assert kinds >= {"EXIF-rotated", "PNG", "own size", "mosaic"}
-    on_gpu = [gpu_size(s.data) is not None for s in reference.samples]
+    on_gpu = [nvjpeg_size(s.data, spec.resize_size) is not None for s in reference.samples]
     assert any(on_gpu) and not all(on_gpu)
 
 
@@ -76,7 +76,7 @@ def test_gpu_resize_on_cpu_tensors_matches_the_reference(model, reference) -> No
     from engines.gpu_decode import crop_batch
 
     spec = model.spec.preprocess
-    chosen = [i for i, s in enumerate(reference.samples) if gpu_size(s.data) is not None]
+    chosen = [i for i, s in enumerate(reference.samples) if nvjpeg_size(s.data, spec.resize_size)]
     decoded = []
     for index in chosen:
         with Image.open(io.BytesIO(reference.samples[index].data)) as image:

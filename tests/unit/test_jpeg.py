@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from engines.jpeg import gpu_size
+from engines.jpeg import gpu_size, nvjpeg_size
 
 from conftest import encode
 
@@ -32,6 +32,12 @@ def test_real_photos_go_to_the_gpu_at_their_size(photos) -> None:
     for data in photos.values():
         with Image.open(io.BytesIO(data)) as image:
             assert gpu_size(data) == image.size
+
+
+def test_jpegs_smaller_than_the_resize_size_go_to_the_cpu() -> None:
+    assert nvjpeg_size(_jpeg(size=(512, 256)), 256) == (512, 256)
+    assert nvjpeg_size(_jpeg(size=(300, 200)), 256) is None  # enlarged: the CPU path
+    assert nvjpeg_size(_jpeg("CMYK", size=(512, 512)), 256) is None
 
 
 @pytest.mark.parametrize(
