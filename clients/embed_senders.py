@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import json
 import logging
+import os
 import struct
 import sys
 import time
@@ -249,7 +250,9 @@ def main() -> int:
     reuse_freed_memory()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     settings = json.loads(sys.stdin.readline())
-    out = sys.stdout.buffer
+    # the frames get stdout's pipe to themselves; anything else printed goes to stderr
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     try:
         asyncio.run(_send_share(settings, out))
     except (CatalogError, grpc.aio.AioRpcError) as exc:
