@@ -78,6 +78,8 @@ class SenderPool:
 
     async def run(self) -> None:
         committed = self._store.committed
+        # the children import what this process imports, wherever it found it
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
         children = []
         for index in range(self._senders):
             settings = {
@@ -94,6 +96,7 @@ class SenderPool:
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
+                env=env,
             )
             child.stdin.write(json.dumps(settings).encode() + b"\n")
             await child.stdin.drain()
