@@ -14,7 +14,8 @@ the child answers in frames on its stdout, each a JSON header (the images embedd
 images failed, or the error that ends the child) and the embedded images' vectors as raw
 bytes. A child dies with its parent
 (PR_SET_PDEATHSIG), and a child that fails ends the job: what arrived is committed, and its
-error is the job's.
+error is the job's. A child that runs more than LEAD ordinals ahead of the slowest waits (its
+frames are not read), so the images committed out of order stay few.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import struct
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import BinaryIO
 
@@ -43,6 +45,10 @@ FRAME = struct.Struct("<II")  # the header's bytes, the vectors' bytes
 FLUSH_ROWS = 256  # a child sends what it has every FLUSH_ROWS images or FLUSH_SECONDS
 FLUSH_SECONDS = 0.05
 CHILD_FAILED = 3  # a child's exit code after an error it sent in its last frame
+# How far (in ordinals) a child may run ahead of the slowest: the images done out of order,
+# which the output's state lists until the slower ones catch up, stay under about this many.
+LEAD = 20_000
+PARENT_PID = "RAYSTREAM_EMBED_PARENT"  # the environment variable a child checks its parent by
 
 
 class SenderFailed(CatalogError):
@@ -73,37 +79,46 @@ class SenderPool:
         self._job = job
         self._commit_seconds = commit_seconds
         self._on_progress = on_progress
+        self._positions: dict[int, int] = {}  # child pid: the last ordinal it sent back
+        self._moved = asyncio.Event()  # a child sent more, or ended
         self.embedded = 0
         self.failed = 0
 
     async def run(self) -> None:
         committed = self._store.committed
         # the children import what this process imports, wherever it found it
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
-        children = []
-        for index in range(self._senders):
-            settings = {
-                **self._job,
-                "inputs": self._inputs.spec(),
-                "share": [index, self._senders],
-                "done_below": committed.done_below,
-                "done_above": self._store.done_above,
-            }
-            child = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "clients.embed_senders",
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                env=env,
-            )
-            child.stdin.write(json.dumps(settings).encode() + b"\n")
-            await child.stdin.drain()
-            child.stdin.close()
-            children.append(child)
-        tasks = [asyncio.ensure_future(self._receive(child)) for child in children]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(path for path in sys.path if path),
+            PARENT_PID: str(os.getpid()),
+        }
+        children: list[asyncio.subprocess.Process] = []
+        tasks: list[asyncio.Future] = []
         try:
+            for index in range(self._senders):
+                settings = {
+                    **self._job,
+                    "inputs": self._inputs.spec(),
+                    "share": [index, self._senders],
+                    "done_below": committed.done_below,
+                    "done_above": self._store.done_above,
+                }
+                child = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "clients.embed_senders",
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    env=env,
+                    start_new_session=True,  # Ctrl-C reaches this process; it stops them
+                )
+                children.append(child)
+                self._positions[child.pid] = -1
+                child.stdin.write(json.dumps(settings).encode() + b"\n")
+                await child.stdin.drain()
+                child.stdin.close()
+            tasks = [asyncio.ensure_future(self._receive(child)) for child in children]
             for finished in asyncio.as_completed(tasks):
                 await finished  # the first child to fail ends the job
         finally:
@@ -112,29 +127,46 @@ class SenderPool:
                     with contextlib.suppress(ProcessLookupError):
                         child.kill()
             # the others' frames up to the kill are kept; their errors after it are not news
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, *(c.wait() for c in children), return_exceptions=True)
             self._store.commit()
+
+    async def _my_turn(self, pid: int) -> None:
+        """Until child `pid` is at most LEAD ordinals past the slowest child still sending,
+        so that the images done out of order (the state's `done_above`) stay few."""
+        while True:
+            others = [at for other, at in self._positions.items() if other != pid]
+            if not others or self._positions[pid] <= min(others) + LEAD:
+                return
+            self._moved.clear()
+            await self._moved.wait()
 
     async def _receive(self, child: asyncio.subprocess.Process) -> None:
         """Frames from one child into the store, until it exits."""
-        errors: list[str] = []
-        stderr = asyncio.ensure_future(_relay(child.stderr, errors))
+        last_words: deque[str] = deque(maxlen=1)
+        stderr = asyncio.ensure_future(_relay(child.stderr, last_words))
         try:
-            failed = await self._frames(child.stdout)
+            failed = await self._frames(child)
         except BaseException:
             with contextlib.suppress(ProcessLookupError):
                 child.kill()  # else it waits on a full pipe for ever
             raise
         finally:
+            del self._positions[child.pid]  # ended: it holds no one back
+            self._moved.set()
             code = await child.wait()
             await stderr
-        if failed or code != 0:
-            crashed = errors[-1] if errors else f"it exited with code {code}"
-            raise SenderFailed(failed or f"a sender process failed: {crashed}")
+        if failed:
+            raise SenderFailed(failed)
+        if code != 0:
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            said = f"; its last words: {last_words[0]}" if last_words else ""
+            raise SenderFailed(f"a sender process failed ({how}){said}")
 
-    async def _frames(self, frames: asyncio.StreamReader) -> str:
+    async def _frames(self, child: asyncio.subprocess.Process) -> str:
         """Until the child's last frame; the error that ended it, if one did."""
+        frames = child.stdout
         while True:
+            await self._my_turn(child.pid)
             try:
                 sizes = await frames.readexactly(FRAME.size)
             except asyncio.IncompleteReadError as end:
@@ -151,19 +183,25 @@ class SenderPool:
                 self._store.add(ordinal, key, vector)
             for ordinal, key, path, code, message in header["failed"]:
                 self._store.fail(ordinal, key, path, code, message)
+            done = len(header["embedded"]) + len(header["failed"])
             self.embedded += len(header["embedded"])
             self.failed += len(header["failed"])
-            self._on_progress(len(header["embedded"]) + len(header["failed"]))
+            self._on_progress(done)
+            ordinals = [row[0] for row in header["embedded"]] + [row[0] for row in header["failed"]]
+            if ordinals:
+                self._positions[child.pid] = max(self._positions[child.pid], *ordinals)
+                self._moved.set()
             if self._store.seconds_open >= self._commit_seconds:
                 self._store.commit()
 
 
-async def _relay(stream: asyncio.StreamReader, lines: list[str]) -> None:
-    """A child's stderr (its warnings) to this process', kept for a crash's message."""
-    async for line in stream:
-        text = line.decode(errors="replace").rstrip()
-        lines.append(text)
-        print(text, file=sys.stderr)
+async def _relay(stream: asyncio.StreamReader, last_words: deque[str]) -> None:
+    """A child's stderr (its warnings) to this process', its last line kept for a crash."""
+    while chunk := await stream.read(1 << 16):
+        text = chunk.decode(errors="replace")
+        sys.stderr.write(text)
+        if lines := text.strip().splitlines():
+            last_words.append(lines[-1])
 
 
 # -- a child: one share of the job ------------------------------------------------------
@@ -188,11 +226,13 @@ class _ForwardingStore:
     def add(self, ordinal: int, key: str, vector: np.ndarray) -> None:
         self._embedded.append((ordinal, key))
         self._vectors.append(vector)
-        if len(self._embedded) >= FLUSH_ROWS:
+        if len(self._embedded) + len(self._failed) >= FLUSH_ROWS:
             self.commit()
 
     def fail(self, ordinal: int, key: str, path: str, code: str, message: str) -> None:
         self._failed.append((ordinal, key, path, code, message))
+        if len(self._embedded) + len(self._failed) >= FLUSH_ROWS:
+            self.commit()
 
     @property
     def seconds_open(self) -> float:
@@ -214,10 +254,13 @@ class _ForwardingStore:
 
 
 def _die_with_parent() -> None:
-    """SIGKILL this process when its parent dies (Linux), as a killed job's children must."""
+    """SIGKILL this process when its parent dies (Linux), as a killed job's children must;
+    exits now if the parent died before this was armed."""
     with contextlib.suppress(OSError, AttributeError):
         pr_set_pdeathsig, sigkill = 1, 9
         ctypes.CDLL("libc.so.6").prctl(pr_set_pdeathsig, sigkill)
+    if os.environ.get(PARENT_PID, str(os.getppid())) != str(os.getppid()):
+        sys.exit(CHILD_FAILED)
 
 
 async def _send_share(settings: dict, out: BinaryIO) -> None:
