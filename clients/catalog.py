@@ -16,6 +16,7 @@ code already inside an event loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -171,6 +172,7 @@ async def aembed_catalog(
                 commit_seconds=commit_seconds,
                 on_progress=on_progress,
             )
+            start = run.run
         else:
             run = EmbedJob(
                 store,
@@ -183,13 +185,10 @@ async def aembed_catalog(
                 on_progress=on_progress,
                 fp16=dtype == "float16",
             )
+            start = functools.partial(run.run, client.stream)
         try:
-            if store.complete:
-                pass
-            elif senders > 1:
-                await run.run()
-            else:
-                await run.run(client.stream)
+            if not store.complete:
+                await start()
         finally:
             store.close()
             if bar is not None:

@@ -92,17 +92,17 @@ class SenderPool:
             "PYTHONPATH": os.pathsep.join(path for path in sys.path if path),
             PARENT_PID: str(os.getpid()),
         }
+        shared = {
+            **self._job,
+            "inputs": self._inputs.spec(),
+            "done_below": committed.done_below,
+            "done_above": self._store.done_above,
+        }
         children: list[asyncio.subprocess.Process] = []
         tasks: list[asyncio.Future] = []
         try:
             for index in range(self._senders):
-                settings = {
-                    **self._job,
-                    "inputs": self._inputs.spec(),
-                    "share": [index, self._senders],
-                    "done_below": committed.done_below,
-                    "done_above": self._store.done_above,
-                }
+                settings = {**shared, "share": [index, self._senders]}
                 child = await asyncio.create_subprocess_exec(
                     sys.executable,
                     "-m",
