@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import fnmatch
 import json
 import os
@@ -634,6 +635,25 @@ def replica_starts(since: float, logs: Path = Path("/tmp/ray/session_latest/logs
     return starts
 
 
+DEPLOY_BEGAN = re.compile(
+    r"^\w+ (?P<at>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .* Deploying new app "
+)
+
+
+def deploy_began(since: float, logs: Path = Path("/tmp/ray/session_latest/logs/serve")) -> float:
+    """Seconds from `since` (a time.time()) to the Serve controller's first "Deploying new
+    app" line written after it: how much of a start goes to Ray and Serve's own, before any
+    replica of ours is started. NaN where no controller log says."""
+    for path in sorted(logs.glob("controller_*.log")):
+        if path.stat().st_mtime < since:
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            if match := DEPLOY_BEGAN.search(line):
+                at = datetime.datetime.strptime(match["at"], "%Y-%m-%d %H:%M:%S,%f")
+                return at.timestamp() - since  # the log's local time, as timestamp() reads it
+    return float("nan")
+
+
 def _port_free(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(1.0)
@@ -752,6 +772,10 @@ def run_server(scenario: str, server: dict, loads: list[dict], port: int, args) 
         command += ["--port", str(port), "--model-repository", app_args["model_repository"]]
         command += [str(a) for a in server.get("args") or []]
         log = out / "serve.log"
+        env = {"PYTHONUNBUFFERED": "1"}
+        if server.get("fresh_compile_cache"):
+            # an empty inductor cache of its own: this start compiles as a host's first does
+            env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="raystream-inductor-")
         with mps_daemon(bool(server.get("mps"))) as mps_env, log.open("w") as log_file:
             started = time.time()
             child = subprocess.Popen(
@@ -759,7 +783,7 @@ def run_server(scenario: str, server: dict, loads: list[dict], port: int, args) 
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 cwd=ROOT,
-                env={**os.environ, **mps_env, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, **mps_env, **env},
                 start_new_session=True,  # a Ctrl-C of the runner reaches it through _stop
             )
             tree = ServerProcesses(child.pid, mps=bool(mps_env))
@@ -779,8 +803,9 @@ def run_server(scenario: str, server: dict, loads: list[dict], port: int, args) 
                         f"{d} {min(s):.1f}-{max(s):.1f} s ({len(s)})" for d, s in starts.items()
                     )
                     print(
-                        f"{scenario}/{name}: ready after {ready_after:.0f} s; replicas "
-                        f"started to running: {spans}",
+                        f"{scenario}/{name}: ready after {ready_after:.0f} s; Serve began "
+                        f"deploying after {deploy_began(started):.1f} s; replicas started to "
+                        f"running: {spans}",
                         flush=True,
                     )
                     (out / "ready.txt").write_text(f"{ready_after:.1f}\n{ready}\n{spans}\n")

@@ -13,6 +13,8 @@ pass) copied back.
 Start-up captures the largest bucket in every slot; the others follow, at start or (with
 `background`) in a thread while the engine already serves: a replica takes traffic seconds
 sooner, and until a smaller bucket joins the planner, batches run padded into larger ones.
+Buckets may then be captured again, each new graph replacing the old (torch-CUDA's compiled
+graphs after the uncompiled ones: engines/torch_cuda.py, `compile_after_ready`).
 """
 
 from __future__ import annotations
@@ -142,9 +144,17 @@ class GraphEngine(Engine):
                 f"`raystream export`"
             )
 
-    def _start_slots(self, slots: int, plan_by_latency: bool, background: bool = False) -> None:
+    def _start_slots(
+        self,
+        slots: int,
+        plan_by_latency: bool,
+        background: bool = False,
+        recapture: tuple[int, ...] = (),
+    ) -> None:
         """Capture the largest bucket in every slot, then the others: here, or with
-        `background` in a thread (`captured` is set when every bucket is in)."""
+        `background` in a thread (`captured` is set when every bucket is in). `recapture`
+        (with `background`): buckets captured once more after that, each replacing its
+        graph as it is done (torch-CUDA's compiled graphs, in place of the uncompiled)."""
         self._normalize: tuple[torch.Tensor, torch.Tensor] | None = None  # uint8 scale, shift
         self._plan_by_latency = plan_by_latency
         self.replay_ms: dict[int, float] = {}  # each captured bucket's median replay
@@ -160,18 +170,18 @@ class GraphEngine(Engine):
         largest, *others = sorted(self.buckets, reverse=True)  # largest first: pool reuse
         self._add_bucket(largest)
         self._capturing = None
-        if background and others:
+        if background and (others or recapture):
             # Not a daemon: at exit Python kills daemon threads where they are, and one
             # killed inside a capture aborts the process ("terminate called without an
             # active exception"), e.g. a script that exits without closing its engine.
             self._capturing = threading.Thread(
-                target=self._add_buckets_or_log, args=(others,), name="capture"
+                target=self._add_buckets_or_log, args=(others, recapture), name="capture"
             )
             self._capturing.start()
         else:
             self._add_buckets(others)
 
-    def _add_buckets(self, buckets: list[int]) -> None:
+    def _add_buckets(self, buckets: list[int], recapture: tuple[int, ...] = ()) -> None:
         started = time.perf_counter()
         for bucket in buckets:
             if self._closing:
@@ -179,7 +189,6 @@ class GraphEngine(Engine):
             with CAPTURING:
                 self._warm_up(bucket)
             self._add_bucket(bucket)
-        self.captured.set()
         if buckets:
             logger.info(
                 "buckets %s captured in %.1f s; replay ms %s",
@@ -187,10 +196,29 @@ class GraphEngine(Engine):
                 time.perf_counter() - started,
                 self.replay_ms,
             )
+        started = time.perf_counter()
+        for bucket in recapture:
+            if self._closing:
+                return
+            self._before_recapture(bucket)
+            with CAPTURING:
+                self._warm_up(bucket)
+            self._add_bucket(bucket)
+        if recapture:
+            logger.info(
+                "buckets %s captured again in %.1f s; replay ms %s",
+                list(recapture),
+                time.perf_counter() - started,
+                self.replay_ms,
+            )
+        self.captured.set()
 
-    def _add_buckets_or_log(self, buckets: list[int]) -> None:
+    def _before_recapture(self, bucket: int) -> None:
+        """What changes before `bucket` is captured again (`_start_slots`' recapture)."""
+
+    def _add_buckets_or_log(self, buckets: list[int], recapture: tuple[int, ...]) -> None:
         try:
-            self._add_buckets(buckets)
+            self._add_buckets(buckets, recapture)
         except Exception:
             # The engine goes on with the buckets it has: every batch still has a plan.
             logger.exception("capturing buckets failed; serving with %s", self.planner.buckets)
@@ -198,6 +226,7 @@ class GraphEngine(Engine):
     def _add_bucket(self, bucket: int) -> None:
         """Capture `bucket` in every slot, holding them all (no batch runs meanwhile: a
         pause of tens of ms once its kernels are warm), time its replay, then plan with it.
+        A bucket captured before gets the new graph in place of the old one.
         The slots are taken once no other engine captures (CAPTURING), so batches run
         while this one waits."""
         with CAPTURING:

@@ -6,6 +6,12 @@ for buckets from `compile_min_batch` up, capture one CUDA graph per bucket and s
 (engines/cuda_graphs.py), and time each replay for the bucket planner. The engine is ready
 once the largest bucket is captured; by default the others follow in the background, each
 warmed on a stream of its own first, so no request waits for a capture.
+
+With `compile_after_ready`, the engine is ready before anything is compiled: every bucket is
+first captured from the uncompiled module, then compiled in the background, largest first,
+each compiled graph replacing its uncompiled one as it is done. On a host whose inductor
+cache is empty, the first compile (tens of seconds) no longer delays ready; until the swaps
+are done, batches run at the uncompiled module's speed.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from engines.repository import ModelRef
 logger = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# Processes of a host that compile from inductor's cache at a time while serving
+# (compile_after_ready): each trace takes a core for seconds, which serving then lacks.
+COMPILES_AT_ONCE = 4
 
 
 class TorchCudaEngine(GraphEngine):
@@ -53,6 +62,7 @@ class TorchCudaEngine(GraphEngine):
         blocking_sync: bool = False,
         autotune: bool = False,
         background_capture: bool = True,
+        compile_after_ready: bool = False,
         compile_name: str | None = None,
     ) -> None:
         """`module` returns the logits, or (logits, embedding) where `embedding_dim` > 0.
@@ -67,6 +77,10 @@ class TorchCudaEngine(GraphEngine):
         2.5 s a bucket for EfficientNet-Lite0 on an H200), so this cuts the start by that
         much per bucket. Until a bucket joins, batches of its size run padded into a larger
         one. `captured` is set once all are in.
+        compile_after_ready (with compile_min_batch and background_capture): ready on
+        graphs of the uncompiled module; the compiled ones replace them in the background,
+        at most COMPILES_AT_ONCE processes of the host compiling from inductor's cache at
+        a time. `captured` is set once all compiled graphs are in.
         compile_name: names the compiled program (`from_model`: its file); with it, one
         process of the host compiles each bucket and the others read inductor's cache
         (engines/compile_once.py)."""
@@ -97,20 +111,34 @@ class TorchCudaEngine(GraphEngine):
         self._compiled = (
             torch.compile(self._module, dynamic=False) if compile_min_batch is not None else None
         )
-        self._compile_min_batch = compile_min_batch or 0
+        compiled = (
+            [b for b in self.buckets if b >= (compile_min_batch or 0)]
+            if self._compiled is not None
+            else []
+        )
+        after_ready = compile_after_ready and background_capture
+        # the buckets whose graphs run the compiled module (those to compile, once they are)
+        self._runs_compiled = set() if after_ready else set(compiled)
+        self._compile_at_once = COMPILES_AT_ONCE if after_ready else 0
         self._compile_name = compile_name
         self._compiled_buckets: set[int] = set()  # compiled in this process
         self._warm_stream = torch.cuda.Stream(self.device)
-        self._start_slots(slots, plan_by_latency, background=background_capture)
+        self._start_slots(
+            slots,
+            plan_by_latency,
+            background=background_capture,
+            recapture=tuple(sorted(compiled, reverse=True)) if after_ready else (),
+        )
         self.startup_s = time.perf_counter() - start
         logger.info(
-            "torch-cuda ready in %.1f s: %s, %d slots, buckets %s captured%s, replay ms %s",
+            "torch-cuda ready in %.1f s: %s, %d slots, buckets %s captured%s, replay ms %s%s",
             self.startup_s,
             precision,
             slots,
             self.planner.buckets,
             "" if self.captured.is_set() else f" (the rest of {self.buckets} in the background)",
             self.replay_ms,
+            f"; {sorted(compiled)} compiled after ready" if after_ready else "",
         )
 
     @classmethod
@@ -142,9 +170,10 @@ class TorchCudaEngine(GraphEngine):
         )
 
     def _function(self, bucket: int) -> torch.nn.Module:
-        if self._compiled is not None and bucket >= self._compile_min_batch:
-            return self._compiled
-        return self._module
+        return self._compiled if bucket in self._runs_compiled else self._module
+
+    def _before_recapture(self, bucket: int) -> None:
+        self._runs_compiled.add(bucket)  # its next capture: the compiled module's graph
 
     def _random_input(self, bucket: int) -> torch.Tensor:
         c, h, w = self.info.input_shape
@@ -168,7 +197,7 @@ class TorchCudaEngine(GraphEngine):
             self.info.precision,
             bucket,
         )
-        out = compile_once(key, lambda: fn(batch))
+        out = compile_once(key, lambda: fn(batch), at_once=self._compile_at_once)
         self._compiled_buckets.add(bucket)
         return out
 

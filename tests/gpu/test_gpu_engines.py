@@ -213,3 +213,47 @@ def test_background_capture_serves_at_once_and_adds_every_bucket(
     for out in during:
         np.testing.assert_array_equal(out.logits.argmax(1), after.logits.argmax(1))
         assert np.abs(softmax(out.logits) - softmax(after.logits)).max() <= 1e-2
+
+
+def test_compile_after_ready_serves_uncompiled_graphs_then_swaps_in_compiled_ones(
+    model, engine_reference, monkeypatch, tmp_path
+) -> None:
+    """Ready before anything is compiled; batches sent while the compiled graphs replace the
+    uncompiled ones get the same answers (to FP16's tolerance) as once they all have."""
+    import numpy as np
+
+    from engines import create_engine
+    from engines.scores import softmax
+    from engines.torch_cuda import TorchCudaEngine
+
+    # Hold the first compile until batches have run on the uncompiled graphs.
+    gate, before = threading.Event(), TorchCudaEngine._before_recapture
+    monkeypatch.setattr(
+        TorchCudaEngine,
+        "_before_recapture",
+        lambda self, bucket: gate.wait(60) and before(self, bucket),
+    )
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # an empty cache: compiles
+    batch = _batches(engine_reference, count=1, size=12)[0]
+    options = {"compile_min_batch": 8, "compile_after_ready": True}
+    with create_engine("torch-cuda", model, max_batch_size=16, **options) as engine:
+        assert engine._runs_compiled == set()
+        during = [engine.infer(batch) for _ in range(3)]
+        gate.set()
+
+        def serve() -> None:
+            while not engine.captured.is_set():
+                during.append(engine.infer(batch))
+
+        threads = [threading.Thread(target=serve) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        assert engine.captured.wait(600)
+        for thread in threads:
+            thread.join()
+        assert engine._runs_compiled == {8, 16}
+        assert engine.planner.buckets == engine.buckets
+        after = engine.infer(batch)
+    for out in during:
+        np.testing.assert_array_equal(out.logits.argmax(1), after.logits.argmax(1))
+        assert np.abs(softmax(out.logits) - softmax(after.logits)).max() <= 1e-2

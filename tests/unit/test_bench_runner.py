@@ -5,6 +5,8 @@ check of a scenario's names."""
 from __future__ import annotations
 
 import argparse
+import datetime
+import math
 import sys
 import time
 from pathlib import Path
@@ -41,6 +43,16 @@ def test_replica_starts_are_read_per_deployment_from_this_runs_logs(tmp_path: Pa
         "Postprocess": [1.2],
     }
     assert run.replica_starts(time.time() + 60, tmp_path) == {}  # an earlier server's log
+
+
+def test_deploy_began_is_read_from_the_controllers_log_in_local_time(tmp_path: Path) -> None:
+    since = time.time() - 30
+    at = datetime.datetime.fromtimestamp(since + 8.25).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+    (tmp_path / "controller_1367.log").write_text(
+        f"INFO {at} controller 1367 -- Deploying new app 'raystream'.\n" + LOG
+    )
+    assert abs(run.deploy_began(since, tmp_path) - 8.25) < 0.01
+    assert math.isnan(run.deploy_began(time.time() + 60, tmp_path))  # an earlier server's log
 
 
 # `nvidia-smi dmon -s u -d 1` on an H200 (driver 580) during a saturated load: two GPUs'

@@ -45,6 +45,35 @@ def test_one_process_compiles_before_the_others_start(tmp_path: Path) -> None:
     )
 
 
+def _from_cache(folder: Path, log: Path) -> None:
+    def work() -> None:
+        with open(log, "a") as out:
+            out.write("start\n")
+        time.sleep(0.5)
+        with open(log, "a") as out:
+            out.write("end\n")
+
+    compile_once("k", work, folder, at_once=2)
+
+
+def test_at_once_bounds_the_processes_compiling_from_the_cache(tmp_path: Path) -> None:
+    """Six processes reach a shape another compiled: never more than two at a time run."""
+    (tmp_path / "k.done").touch()
+    log = tmp_path / "log"
+    fork = multiprocessing.get_context("fork")
+    processes = [fork.Process(target=_from_cache, args=(tmp_path, log)) for _ in range(6)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=30)
+        assert process.exitcode == 0
+    running, most = 0, 0
+    for event in log.read_text().split():
+        running += 1 if event == "start" else -1
+        most = max(most, running)
+    assert most == 2  # six of 0.5 s each: two at once, never three
+
+
 def test_a_failed_compile_leaves_the_next_process_to_compile(tmp_path: Path) -> None:
     def fails() -> None:
         raise RuntimeError("out of memory")
