@@ -67,18 +67,24 @@ class GpuJpegDecoder:
         chunk: int | None = None,
         hybrid_decode: BatchDecode | None = None,
         hybrid_min_jpegs: int = 0,
+        hybrid_share: float = 1.0,
     ) -> None:
-        """decode_batch: torchvision's batched nvJPEG when None (tests pass others);
-        hybrid_decode: takes the calls of at least hybrid_min_jpegs JPEGs instead (nvJPEG's
-        GPU_HYBRID backend, engines/nvjpeg.py); chunk: the most JPEGs it is given at once
-        (None: a call's all). Twelve processes decoding alone spent less CPU in chunks of 8
-        than in calls of 64 (0.18 ms an image against 0.73), but the served config, its GPU
-        busy with the engines too, served less at more CPU with them (docs/performance.md,
-        row 6): None in the server (bench/decode_procs.py --chunk measures others)."""
+        """decode_batch: torchvision's batched nvJPEG when None (tests pass others).
+        hybrid_decode: takes `hybrid_share` of the calls of at least hybrid_min_jpegs JPEGs
+        instead (nvJPEG's GPU_HYBRID backend, engines/nvjpeg.py), spread evenly among them.
+        Whole calls, not a part of each as DALI's hw_decoder_load splits them: GPU_HYBRID
+        decodes the Huffman codes of smaller calls on the CPU.
+        chunk: the most JPEGs it is given at once (None: a call's all). Twelve processes
+        decoding alone spent less CPU in chunks of 8 than in calls of 64 (0.18 ms an image
+        against 0.73), but the served config, its GPU busy with the engines too, served less
+        at more CPU with them (docs/performance.md, row 6): None in the server
+        (bench/decode_procs.py --chunk measures others)."""
         self._spec, self._limits, self._device = spec, limits, torch.device(device)
         self._chunk = chunk
         self.decode_batch = decode_batch or self._torchvision_decoder()
         self._hybrid, self._hybrid_min_jpegs = hybrid_decode, hybrid_min_jpegs
+        self._hybrid_share = hybrid_share if hybrid_decode is not None else 0.0
+        self._full_calls = self._hybrid_calls = 0  # counted to keep the share
         self._threads = threading.local()
 
     def _torchvision_decoder(self) -> BatchDecode:
@@ -100,7 +106,9 @@ class GpuJpegDecoder:
         in decode."""
         jpegs = [_sample_jpeg(640, 480), _sample_jpeg(480, 640)]
         if self._hybrid is not None:
-            self.crops(jpegs * -(-self._hybrid_min_jpegs // 2))
+            full = jpegs * -(-max(self._hybrid_min_jpegs, 1) // 2)
+            with torch.cuda.stream(self._thread_stream()):
+                self._hybrid(full)  # a full call, whichever decoder the share gives it
         return self.crops(jpegs)
 
     def crops_many(self, requests: list[list[bytes]]) -> list[Crops]:
@@ -132,9 +140,19 @@ class GpuJpegDecoder:
         images = []
         for i in range(0, len(jpegs), step):
             chunk = jpegs[i : i + step]
-            hybrid = self._hybrid is not None and len(chunk) >= self._hybrid_min_jpegs
+            hybrid = len(chunk) >= self._hybrid_min_jpegs and self._hybrid_turn()
             images += (self._hybrid if hybrid else self.decode_batch)(chunk)
         return images
+
+    def _hybrid_turn(self) -> bool:
+        """Whether this full call goes to the hybrid decoder: one in 1/hybrid_share."""
+        if not self._hybrid_share:
+            return False
+        self._full_calls += 1
+        if self._hybrid_calls < self._hybrid_share * self._full_calls:
+            self._hybrid_calls += 1
+            return True
+        return False
 
     def _one_by_one(self, jpegs: list[bytes]) -> Crops:
         """The CPU path for each JPEG of a request nvJPEG refused, for its diagnosis."""

@@ -6,8 +6,8 @@ processes decoding at once spent 0.76 ms of CPU an image. With GPU_HYBRID the sa
 queues kernels and sleeps until they are done (with blocking-sync waits): on one H100,
 0.07 ms an image at 94% of the hardware's images/s in calls of 64, but calls of 8-32 JPEGs
 were Huffman-decoded on the CPU (1.4 ms an image), and its kernels take SM time the engine
-needs (docs/performance.md). GpuJpegDecoder uses it for full calls only
-(`experimental.gpu_hybrid_decode`).
+needs (docs/performance.md). GpuJpegDecoder gives it a share of the full calls
+(`experimental.gpu_hybrid_decode`), the hardware decoder the rest.
 
 The library is the one torchvision loaded, called through ctypes: each decoding thread has
 its own decode state, initialized again only when its batch size changes.

@@ -171,12 +171,13 @@ class ExperimentalConfig(_Strict):
     # replicas instead (give them num_gpus), whose crops reach Inference on the same GPU by
     # CUDA IPC (serve_app/transport/device_crops.py).
     preprocess_decodes_on_gpu: bool = False
-    # With decode: gpu, nvJPEG's full calls (64 JPEGs) use its GPU_HYBRID backend (Huffman
-    # decoding in CUDA kernels, a tenth of the CPU) instead of the JPEG hardware decoder,
-    # whose thread polls the hardware all call long (engines/nvjpeg.py); smaller calls, which
-    # GPU_HYBRID would decode on the CPU, stay on the hardware. Every GPU wait of the
-    # inference replicas then sleeps (as torch-cuda's blocking_sync).
-    gpu_hybrid_decode: bool = False
+    # With decode: gpu, this share of nvJPEG's full calls (64 JPEGs; true: all of them) use
+    # its GPU_HYBRID backend (Huffman decoding in CUDA kernels, a tenth of the CPU) instead of
+    # the JPEG hardware decoder, whose thread polls the hardware all call long
+    # (engines/nvjpeg.py): between 0 and 1, both decode at once, the hardware and the SMs.
+    # Smaller calls, which GPU_HYBRID would decode on the CPU, stay on the hardware. Every
+    # GPU wait of the inference replicas then sleeps (as torch-cuda's blocking_sync).
+    gpu_hybrid_decode: float = Field(0.0, ge=0.0, le=1.0)
 
 
 class ModelEntry(_Strict):

@@ -37,6 +37,7 @@ class NvjpegQueue:
             chunk=chunk,
             hybrid_decode=hybrid,
             hybrid_min_jpegs=DECODE_BATCH,
+            hybrid_share=config.experimental.gpu_hybrid_decode,
         )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="nvjpeg")
         self._watch = StallWatch()

@@ -156,10 +156,20 @@ def test_a_scenario_name_that_yaml_reads_as_a_boolean_is_refused_clearly(tmp_pat
     assert [server["name"] for server, _ in servers] == ["cache-off"]
 
 
-def test_every_shipped_scenario_loads() -> None:
+def test_every_shipped_scenario_loads_and_its_servers_configs_validate(
+    tmp_path: Path, model_repository: Path
+) -> None:
+    from serve_app.config import AppConfig
+
     args = argparse.Namespace(duration=None, warmup=None, only=None, loads=None)
     scenarios = sorted((Path(run.__file__).parent / "scenarios").glob("*.yaml"))
     assert scenarios
     for path in scenarios:
         _, servers = run.load_scenario(path, args)
         assert servers, path
+        for server, _ in servers:
+            if server.get("config"):  # its `set` changes applied
+                out = tmp_path / path.stem / server["name"]
+                out.mkdir(parents=True)
+                _, app_args = run.server_config(server, out, model_repository)
+                AppConfig.model_validate(app_args)

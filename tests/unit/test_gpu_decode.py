@@ -243,6 +243,32 @@ def test_large_calls_go_to_the_hybrid_decoder_with_the_same_results(model, photo
     assert hardware.calls == [2, 3, 2, 3, 3]
 
 
+def test_a_share_of_the_full_calls_goes_to_the_hybrid_decoder(model, photos) -> None:
+    """hybrid_share 1/3: of every three full calls, one goes to the hybrid decoder and two to
+    the hardware one, whole; smaller calls to the hardware; the crops as one decoder's."""
+    from engines.gpu_decode import GpuJpegDecoder
+    from engines.images import DecodeLimits
+
+    spec = model.spec.preprocess
+    alone, hardware, hybrid = _PilBatchDecoder(), _PilBatchDecoder(), _PilBatchDecoder()
+    plain = GpuJpegDecoder(spec, DecodeLimits(), device="cpu", decode_batch=alone)
+    shared = GpuJpegDecoder(
+        spec,
+        DecodeLimits(),
+        device="cpu",
+        decode_batch=hardware,
+        chunk=2,
+        hybrid_decode=hybrid,
+        hybrid_min_jpegs=2,
+        hybrid_share=1 / 3,
+    )
+    jpegs = [photos["chelsea"], photos["coffee"], photos["rocket"], photos["astronaut"]] * 3
+    jpegs.append(photos["coffee"])  # 13 JPEGs: six full calls of 2, then one of 1
+    expected, crops = plain.crops(jpegs), shared.crops(jpegs)
+    assert torch.equal(crops.pixels, expected.pixels) and crops.good == expected.good
+    assert hybrid.calls == [2, 2] and hardware.calls == [2, 2, 2, 2, 1]
+
+
 async def test_a_gpu_decode_replica_decodes_the_jpegs_of_waiting_calls_together(
     model_repository, photos, monkeypatch, stand_in_nvjpeg
 ) -> None:
