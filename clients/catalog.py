@@ -154,10 +154,11 @@ async def aembed_catalog(
             on_progress = progress or (lambda n: None)
         # every vector from the version named in the output, even if another loads meanwhile
         pinned = f"{info.name}/{info.version}"
+        listed = inputs.as_scanned(scan)  # the list again, as it is sent: checked
         if senders > 1:
             run = SenderPool(
                 store,
-                inputs,
+                listed,
                 senders,
                 {
                     "server": server,
@@ -176,7 +177,7 @@ async def aembed_catalog(
         else:
             run = EmbedJob(
                 store,
-                inputs,
+                listed,
                 model=pinned,
                 batch_size=batch_size,
                 in_flight=in_flight or DEFAULT_IN_FLIGHT * client.connections,
@@ -189,6 +190,7 @@ async def aembed_catalog(
         try:
             if not store.complete:
                 await start()
+                listed.check()
         finally:
             store.close()
             if bar is not None:

@@ -2,7 +2,8 @@
 (a text file of paths, or a column of paths in a CSV or Parquet file, with an optional column of
 keys). Read twice, streamed both times, never held whole: a first pass counts the images, checks
 that no key appears twice and fingerprints the list (a resumed job must see the same list); the
-second hands out (ordinal, key, path) in the list's order.
+second hands out (ordinal, key, path) in the list's order, checked against the first
+(`ScannedList`): a folder that changed between the two is reported, not embedded silently.
 
 A manifest's relative paths are relative to the manifest's folder. An image's key is the key
 column's value where there is one, else its path as the manifest writes it.
@@ -73,26 +74,6 @@ class CatalogInputs:
         if self._manifest is not None and not self._manifest.is_file():
             raise InputError(f"{self._manifest}: no such manifest file")
 
-    def spec(self) -> dict:
-        """What names these inputs, as JSON (`from_spec` makes them again in another process)."""
-        return {
-            "paths": [str(p) for p in self._paths],
-            "manifest": str(self._manifest) if self._manifest is not None else None,
-            "path_column": self._path_column,
-            "key_column": self._key_column,
-            "image_suffixes": sorted(self._suffixes),
-        }
-
-    @classmethod
-    def from_spec(cls, spec: dict) -> CatalogInputs:
-        return cls(
-            spec["paths"],
-            manifest=spec["manifest"],
-            path_column=spec["path_column"],
-            key_column=spec["key_column"],
-            image_suffixes=spec["image_suffixes"],
-        )
-
     def __iter__(self) -> Iterator[CatalogItem]:
         rows = self._manifest_rows() if self._manifest is not None else self._named_rows()
         for ordinal, (key, path) in enumerate(rows):
@@ -106,8 +87,7 @@ class CatalogInputs:
         chunk: list[int] = []
         count = 0
         for item in self:
-            entry = f"{item.key}\0{item.path}\n".encode()
-            digest.update(entry)
+            digest.update(_entry(item))
             chunk.append(int.from_bytes(hashlib.blake2b(item.key.encode(), digest_size=8).digest()))
             count += 1
             if len(chunk) == _BATCH_ROWS:
@@ -122,6 +102,9 @@ class CatalogInputs:
         if len(repeated):
             self._name_repeated_key(int(repeated[0]))
         return Scan(count, digest.hexdigest())
+
+    def as_scanned(self, scan: Scan) -> ScannedList:
+        return ScannedList(self, scan)
 
     def _name_repeated_key(self, key_hash: int) -> None:
         seen: set[str] = set()
@@ -209,3 +192,40 @@ class CatalogInputs:
                     f"{self._manifest} has no column {wanted!r} (its columns: "
                     f"{', '.join(names) or 'none'}); name the paths' column with --path-column"
                 )
+
+
+class ScannedList:
+    """The inputs read again as a job sends them, checked against their `scan` on the way:
+    `check()`, once read to the end, raises InputError if they were another list (a file
+    added to or removed from a folder, the manifest edited, since the scan). Iterating
+    stops at the scan's count, so a job never sends more than its output was made for."""
+
+    def __init__(self, inputs: CatalogInputs, scan: Scan) -> None:
+        self._inputs, self._scan = inputs, scan
+        self.changed = False
+
+    def __iter__(self) -> Iterator[CatalogItem]:
+        digest = hashlib.blake2b(digest_size=16)
+        count = 0
+        for item in self._inputs:
+            if item.ordinal >= self._scan.count:
+                self.changed = True
+                return
+            digest.update(_entry(item))
+            count += 1
+            yield item
+        self.changed = count != self._scan.count or digest.hexdigest() != self._scan.fingerprint
+
+    def check(self) -> None:
+        if self.changed:
+            raise InputError(
+                "the inputs changed while the job ran (a file added or removed, or the manifest "
+                "edited): the vectors sent are committed, each under its own key, but the "
+                "output no longer matches one list; embed into another --out once the inputs "
+                "stay as they are"
+            )
+
+
+def _entry(item: CatalogItem) -> bytes:
+    """An item as the fingerprint reads it."""
+    return f"{item.key}\0{item.path}\n".encode()

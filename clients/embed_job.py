@@ -17,7 +17,7 @@ import heapq
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -49,6 +49,20 @@ class _Pending:
     attempts: int = 0  # sent so far
 
 
+async def _not_done(
+    items: Iterable[CatalogItem] | AsyncIterable[CatalogItem], store: ShardStore
+) -> AsyncIterator[CatalogItem]:
+    """The items (a list read here, or handed out by another process) not yet in `store`."""
+    if isinstance(items, AsyncIterable):
+        async for item in items:
+            if not store.is_done(item.ordinal):
+                yield item
+    else:
+        for item in items:
+            if not store.is_done(item.ordinal):
+                yield item
+
+
 def backoff(attempt: int) -> float:
     """Seconds before try number `attempt` + 1."""
     return min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (attempt - 1))
@@ -62,7 +76,7 @@ class EmbedJob:
     def __init__(
         self,
         store: ShardStore,
-        items: Iterable[CatalogItem],
+        items: Iterable[CatalogItem] | AsyncIterable[CatalogItem],
         *,
         model: str,
         batch_size: int = 16,
@@ -75,7 +89,7 @@ class EmbedJob:
         """`fp16`: the server sends each vector as halves (half the bytes on the wire)."""
         self._store = store
         self._dtype = pb.FLOAT16 if fp16 else pb.FLOAT32
-        self._fresh: Iterator[CatalogItem] = (i for i in items if not store.is_done(i.ordinal))
+        self._fresh = _not_done(items, store)
         self._model = model
         self._batch_size = batch_size
         self._in_flight = in_flight
@@ -124,7 +138,7 @@ class EmbedJob:
         async def requests() -> AsyncIterator[pb.ClassifyRequest]:
             while True:
                 await slots.acquire()  # before taking images: a closed stream strands none
-                chunk = self._next_chunk()
+                chunk = await self._next_chunk()
                 if not chunk:
                     slots.release()
                     if not self._retries and not pending:
@@ -184,12 +198,13 @@ class EmbedJob:
             if self._store.seconds_open >= self._commit_seconds:
                 self._store.commit()
 
-    def _next_chunk(self) -> list[_Pending]:
+    async def _next_chunk(self) -> list[_Pending]:
         chunk: list[_Pending] = []
         now = time.monotonic()
         while self._retries and self._retries[0][0] <= now and len(chunk) < self._batch_size:
             chunk.append(heapq.heappop(self._retries)[2])
-        chunk += (_Pending(i) for i in itertools.islice(self._fresh, self._batch_size - len(chunk)))
+        while len(chunk) < self._batch_size and (item := await anext(self._fresh, None)):
+            chunk.append(_Pending(item))
         return chunk
 
     def _answer(self, p: _Pending, code: int, message: str, result: pb.ImageResult | None) -> None:

@@ -3,19 +3,20 @@ answers faster than one Python process can read files, build requests and parse 
 so the job can run N child processes that send, each over connections of its own, while this
 process keeps the one ShardStore (clients/shard_store.py) and its commits.
 
-Child i sends the images whose ordinal is i modulo N and are not committed yet; an image
-never goes to two children, and only this process writes the output folder, so a job killed
-at any point and run again (with any N) still ends with every image exactly once. A child
-runs the same EmbedJob as one process does (retries, backoff, failures listed), with a store
-that forwards each image's vector or failure here instead of writing it.
+This process reads the list of images once and hands each image not committed yet to one
+child: child i gets those whose ordinal is i modulo N. Only this process writes the output
+folder, so a job killed at any point and run again (with any N) still ends with every image
+exactly once. A child runs the same EmbedJob as one process does (retries, backoff, failures
+listed), with a store that forwards each image's vector or failure here instead of writing it.
 
-Nothing is pickled: this process writes a child's settings as one JSON line on its stdin, and
-the child answers in frames on its stdout, each a JSON header (the images embedded and the
-images failed, or the error that ends the child) and the embedded images' vectors as raw
-bytes. A child dies with its parent
-(PR_SET_PDEATHSIG), and a child that fails ends the job: what arrived is committed, and its
-error is the job's. A child that runs more than LEAD ordinals ahead of the slowest waits (its
-frames are not read), so the images committed out of order stay few.
+Nothing is pickled: this process writes a child's settings on its stdin as JSON (each message
+after its length), then its images, as JSON lists of up to FEED_ROWS [ordinal, key, path],
+and closes it when the list ends. The child answers in frames on its stdout, each a JSON
+header (the images embedded and the images failed, or the error that ends the child) and the
+embedded images' vectors as raw bytes. The images go out in the list's order and a child reads
+little ahead, so no child runs far ahead of the slowest: the images committed out of order
+(the state's `done_above`) stay few. A child dies with its parent (PR_SET_PDEATHSIG), and a
+child that fails ends the job: what arrived is committed, and its error is the job's.
 """
 
 from __future__ import annotations
@@ -30,24 +31,28 @@ import struct
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import BinaryIO
 
 import numpy as np
 
 from clients.catalog_errors import CatalogError
-from clients.catalog_inputs import CatalogInputs
+from clients.catalog_inputs import CatalogItem
 from clients.shard_store import ShardStore
 
 logger = logging.getLogger(__name__)
 
-FRAME = struct.Struct("<II")  # the header's bytes, the vectors' bytes
+FRAME = struct.Struct("<II")  # a child's frame: the header's bytes, the vectors' bytes
+SIZE = struct.Struct("<I")  # the parent's: the JSON's bytes
 FLUSH_ROWS = 256  # a child sends what it has every FLUSH_ROWS images or FLUSH_SECONDS
 FLUSH_SECONDS = 0.05
+# A frame of images to a child: up to FEED_ROWS, ending before FEED_CHARS of keys and paths
+# (or one image, however long). A child reads at most 128 KiB ahead (asyncio pauses the pipe
+# there): with the pipes' and the requests in flight, it stays a few thousand images ahead
+# of the slowest at most, so the images done out of order stay few.
+FEED_ROWS = 64
+FEED_CHARS = 1 << 15
 CHILD_FAILED = 3  # a child's exit code after an error it sent in its last frame
-# How far (in ordinals) a child may run ahead of the slowest: the images done out of order,
-# which the output's state lists until the slower ones catch up, stay under about this many.
-LEAD = 20_000
 PARENT_PID = "RAYSTREAM_EMBED_PARENT"  # the environment variable a child checks its parent by
 
 
@@ -59,14 +64,15 @@ class SenderFailed(CatalogError):
 
 
 class SenderPool:
-    """`senders` child processes that embed `inputs` into `store` (EmbedJob's counters and
-    `run`). `job`: what each child needs besides its share: server, model, batch_size,
-    in_flight, attempts, fp16, connections and client_options."""
+    """`senders` child processes that embed `items` (the inputs' list, read here once) into
+    `store` (EmbedJob's counters and `run`). `job`: what each child needs besides its
+    images: server, model, batch_size, in_flight, attempts, fp16, connections and
+    client_options."""
 
     def __init__(
         self,
         store: ShardStore,
-        inputs: CatalogInputs,
+        items: Iterable[CatalogItem],
         senders: int,
         job: dict,
         *,
@@ -74,35 +80,26 @@ class SenderPool:
         on_progress: Callable[[int], None] = lambda n: None,
     ) -> None:
         self._store = store
-        self._inputs = inputs
+        self._items = items
         self._senders = senders
         self._job = job
         self._commit_seconds = commit_seconds
         self._on_progress = on_progress
-        self._positions: dict[int, int] = {}  # child pid: the last ordinal it sent back
-        self._moved = asyncio.Event()  # a child sent more, or ended
         self.embedded = 0
         self.failed = 0
 
     async def run(self) -> None:
-        committed = self._store.committed
         # the children import what this process imports, wherever it found it
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(path for path in sys.path if path),
             PARENT_PID: str(os.getpid()),
         }
-        shared = {
-            **self._job,
-            "inputs": self._inputs.spec(),
-            "done_below": committed.done_below,
-            "done_above": self._store.done_above,
-        }
         children: list[asyncio.subprocess.Process] = []
         tasks: list[asyncio.Future] = []
+        feeding: asyncio.Future | None = None
         try:
-            for index in range(self._senders):
-                settings = {**shared, "share": [index, self._senders]}
+            for _ in range(self._senders):
                 child = await asyncio.create_subprocess_exec(
                     sys.executable,
                     "-m",
@@ -114,14 +111,15 @@ class SenderPool:
                     start_new_session=True,  # Ctrl-C reaches this process; it stops them
                 )
                 children.append(child)
-                self._positions[child.pid] = -1
-                child.stdin.write(json.dumps(settings).encode() + b"\n")
-                await child.stdin.drain()
-                child.stdin.close()
+                child.stdin.write(_framed(self._job))
             tasks = [asyncio.ensure_future(self._receive(child)) for child in children]
-            for finished in asyncio.as_completed(tasks):
-                await finished  # the first child to fail ends the job
+            feeding = asyncio.ensure_future(self._feed(children))
+            for finished in asyncio.as_completed([*tasks, feeding]):
+                await finished  # the first child to fail (or the list) ends the job
         finally:
+            if feeding is not None:
+                feeding.cancel()
+                tasks.append(feeding)
             for child in children:
                 if child.returncode is None:
                     with contextlib.suppress(ProcessLookupError):
@@ -130,15 +128,34 @@ class SenderPool:
             await asyncio.gather(*tasks, *(c.wait() for c in children), return_exceptions=True)
             self._store.commit()
 
-    async def _my_turn(self, pid: int) -> None:
-        """Until child `pid` is at most LEAD ordinals past the slowest child still sending,
-        so that the images done out of order (the state's `done_above`) stay few."""
-        while True:
-            others = [at for other, at in self._positions.items() if other != pid]
-            if not others or self._positions[pid] <= min(others) + LEAD:
-                return
-            self._moved.clear()
-            await self._moved.wait()
+    async def _feed(self, children: list[asyncio.subprocess.Process]) -> None:
+        """The images not committed yet, each to child ordinal % N, in the list's order; then
+        end of file to each. Waits while a child's pipe is full, so the others wait too. A
+        child gone stops the feeding: its own task reports why."""
+        lines: list[list] = [[] for _ in children]
+        sizes = [0] * len(children)  # the bytes of keys and paths in each line
+        try:
+            for listed, item in enumerate(self._items):
+                if listed % 10_000 == 0:
+                    await asyncio.sleep(0)  # a long list of committed images: others run
+                if self._store.is_done(item.ordinal):
+                    continue
+                i = item.ordinal % len(children)
+                size = len(item.key) + len(item.path)
+                if lines[i] and sizes[i] + size > FEED_CHARS:
+                    await _send(children[i], lines[i])
+                    lines[i], sizes[i] = [], 0
+                lines[i].append((item.ordinal, item.key, item.path))
+                sizes[i] += size
+                if len(lines[i]) >= FEED_ROWS:
+                    await _send(children[i], lines[i])
+                    lines[i], sizes[i] = [], 0
+            for child, line in zip(children, lines, strict=True):
+                if line:
+                    await _send(child, line)
+                child.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):
+            return
 
     async def _receive(self, child: asyncio.subprocess.Process) -> None:
         """Frames from one child into the store, until it exits."""
@@ -151,8 +168,6 @@ class SenderPool:
                 child.kill()  # else it waits on a full pipe for ever
             raise
         finally:
-            del self._positions[child.pid]  # ended: it holds no one back
-            self._moved.set()
             code = await child.wait()
             await stderr
         if failed:
@@ -166,7 +181,6 @@ class SenderPool:
         """Until the child's last frame; the error that ended it, if one did."""
         frames = child.stdout
         while True:
-            await self._my_turn(child.pid)
             try:
                 sizes = await frames.readexactly(FRAME.size)
             except asyncio.IncompleteReadError as end:
@@ -183,16 +197,32 @@ class SenderPool:
                 self._store.add(ordinal, key, vector)
             for ordinal, key, path, code, message in header["failed"]:
                 self._store.fail(ordinal, key, path, code, message)
-            done = len(header["embedded"]) + len(header["failed"])
             self.embedded += len(header["embedded"])
             self.failed += len(header["failed"])
-            self._on_progress(done)
-            ordinals = [row[0] for row in header["embedded"]] + [row[0] for row in header["failed"]]
-            if ordinals:
-                self._positions[child.pid] = max(self._positions[child.pid], *ordinals)
-                self._moved.set()
+            self._on_progress(len(header["embedded"]) + len(header["failed"]))
             if self._store.seconds_open >= self._commit_seconds:
                 self._store.commit()
+
+
+async def _send(child: asyncio.subprocess.Process, message: object) -> None:
+    child.stdin.write(_framed(message))
+    await child.stdin.drain()
+
+
+def _framed(message: object) -> bytes:
+    data = json.dumps(message).encode()
+    return SIZE.pack(len(data)) + data
+
+
+async def _read_framed(stream: asyncio.StreamReader) -> object:
+    """The next message written by _framed; EOFError at the end of the stream."""
+    try:
+        (size,) = SIZE.unpack(await stream.readexactly(SIZE.size))
+        return json.loads(await stream.readexactly(size))
+    except asyncio.IncompleteReadError as end:
+        if end.partial:
+            raise
+        raise EOFError from None
 
 
 async def _relay(stream: asyncio.StreamReader, last_words: deque[str]) -> None:
@@ -211,17 +241,15 @@ class _ForwardingStore:
     """What EmbedJob needs of a store, sending each image's outcome to the parent: in frames
     of up to FLUSH_ROWS images, at least every FLUSH_SECONDS (EmbedJob commits as often)."""
 
-    def __init__(self, out: BinaryIO, done_below: int, done_above: list[int]) -> None:
+    def __init__(self, out: BinaryIO) -> None:
         self._out = out
-        self._done_below = done_below
-        self._done_above = set(done_above)
         self._embedded: list[tuple[int, str]] = []
         self._vectors: list[np.ndarray] = []
         self._failed: list[tuple[int, str, str, str, str]] = []
         self._sent = time.monotonic()
 
     def is_done(self, ordinal: int) -> bool:
-        return ordinal < self._done_below or ordinal in self._done_above
+        return False  # the parent hands out only the images not done
 
     def add(self, ordinal: int, key: str, vector: np.ndarray) -> None:
         self._embedded.append((ordinal, key))
@@ -263,17 +291,19 @@ def _die_with_parent() -> None:
         sys.exit(CHILD_FAILED)
 
 
-async def _send_share(settings: dict, out: BinaryIO) -> None:
+async def _send_share(out: BinaryIO) -> None:
+    """The settings, then the images, from stdin (the parent); their outcomes to `out`."""
     from clients.client import Client
     from clients.embed_job import EmbedJob
 
-    index, senders = settings["share"]
-    store = _ForwardingStore(out, settings["done_below"], settings["done_above"])
-    inputs = CatalogInputs.from_spec(settings["inputs"])
-    share = (item for item in inputs if item.ordinal % senders == index)
+    loop = asyncio.get_running_loop()
+    parent = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(parent), sys.stdin)
+    settings = await _read_framed(parent)
+    store = _ForwardingStore(out)
     job = EmbedJob(
         store,
-        share,
+        _handed_out(parent),
         model=settings["model"],
         batch_size=settings["batch_size"],
         in_flight=settings["in_flight"],
@@ -287,6 +317,16 @@ async def _send_share(settings: dict, out: BinaryIO) -> None:
     store.commit()
 
 
+async def _handed_out(parent: asyncio.StreamReader) -> AsyncIterator[CatalogItem]:
+    while True:
+        try:
+            images = await _read_framed(parent)
+        except EOFError:
+            return
+        for ordinal, key, path in images:
+            yield CatalogItem(ordinal, key, path)
+
+
 def main() -> int:
     import grpc
 
@@ -295,12 +335,11 @@ def main() -> int:
     _die_with_parent()
     reuse_freed_memory()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    settings = json.loads(sys.stdin.readline())
     # the frames get stdout's pipe to themselves; anything else printed goes to stderr
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     try:
-        asyncio.run(_send_share(settings, out))
+        asyncio.run(_send_share(out))
     except (CatalogError, grpc.aio.AioRpcError) as exc:
         error = str(exc) if isinstance(exc, CatalogError) else f"{exc.code().name}: {exc.details()}"
         header = json.dumps({"error": error}).encode()

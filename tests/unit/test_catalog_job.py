@@ -103,6 +103,31 @@ def test_a_changed_list_has_another_fingerprint_and_a_repeated_key_is_refused(tm
         CatalogInputs(manifest=tmp_path / "d.csv").scan()
 
 
+def test_a_list_that_changed_since_its_scan_is_reported_and_never_runs_longer(
+    tmp_path,
+) -> None:
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for name in ("a.jpg", "b.jpg", "c.jpg"):
+        (folder / name).write_bytes(b"jpeg")
+    inputs = CatalogInputs([folder])
+    scan = inputs.scan()
+    same = inputs.as_scanned(scan)
+    assert [item.path for item in same] == [str(folder / n) for n in ("a.jpg", "b.jpg", "c.jpg")]
+    same.check()
+
+    (folder / "a.jpg").unlink()
+    (folder / "aa.jpg").write_bytes(b"jpeg")  # as many files, another list
+    renamed = inputs.as_scanned(scan)
+    assert len(list(renamed)) == 3
+    with pytest.raises(InputError, match="the inputs changed while the job ran"):
+        renamed.check()
+
+    (folder / "d.jpg").write_bytes(b"jpeg")  # one more than the scan: never sent
+    longer = inputs.as_scanned(scan)
+    assert len(list(longer)) == 3 and longer.changed
+
+
 # -- shards, failures, retries -------------------------------------------------------------------
 
 

@@ -134,32 +134,3 @@ def test_a_sender_that_fails_ends_the_job_with_its_error_in_one_line(tmp_path, s
 def test_senders_need_an_output_folder(tmp_path) -> None:
     done = run_cli("embed", str(tmp_path), "--out", str(tmp_path / "v.npy"), "--senders", "2")
     assert done.returncode == 2 and "--senders writes an output folder" in done.stderr
-
-
-def test_a_sender_far_ahead_of_the_slowest_waits_for_it() -> None:
-    """The images committed out of order (the state's done_above) stay under LEAD or so."""
-    import asyncio
-
-    from clients.embed_senders import LEAD, SenderPool
-
-    async def scenario() -> list[str]:
-        pool = SenderPool(None, None, 2, {})
-        pool._positions = {1: 10, 2: 10 + LEAD + 1}
-        happened = []
-
-        async def fast() -> None:
-            await pool._my_turn(2)
-            happened.append("fast goes on")
-
-        waiting = asyncio.ensure_future(fast())
-        await asyncio.sleep(0.05)
-        happened.append("slow sends")
-        pool._positions[1] = 20
-        pool._moved.set()
-        await asyncio.wait_for(waiting, 1)
-        await pool._my_turn(1)  # the slowest never waits
-        del pool._positions[1]  # nor one whose slowest peer has ended
-        await pool._my_turn(2)
-        return happened
-
-    assert asyncio.run(scenario()) == ["slow sends", "fast goes on"]
