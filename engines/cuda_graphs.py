@@ -154,7 +154,9 @@ class GraphEngine(Engine):
         """Capture the largest bucket in every slot, then the others: here, or with
         `background` in a thread (`captured` is set when every bucket is in). `recapture`
         (with `background`): buckets captured once more after that, each replacing its
-        graph as it is done (torch-CUDA's compiled graphs, in place of the uncompiled)."""
+        graph as it is done (torch-CUDA's compiled graphs, in place of the uncompiled).
+        `captured` is also set when the thread gives up on a failure (logged), with the
+        graphs captured so far serving."""
         self._normalize: tuple[torch.Tensor, torch.Tensor] | None = None  # uint8 scale, shift
         self._plan_by_latency = plan_by_latency
         self.replay_ms: dict[int, float] = {}  # each captured bucket's median replay
@@ -220,8 +222,10 @@ class GraphEngine(Engine):
         try:
             self._add_buckets(buckets, recapture)
         except Exception:
-            # The engine goes on with the buckets it has: every batch still has a plan.
+            # The engine goes on with the graphs it has: every batch still has a plan.
             logger.exception("capturing buckets failed; serving with %s", self.planner.buckets)
+        finally:
+            self.captured.set()  # nothing more will come: whoever waits for it, wait no more
 
     def _add_bucket(self, bucket: int) -> None:
         """Capture `bucket` in every slot, holding them all (no batch runs meanwhile: a

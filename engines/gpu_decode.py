@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import io
 import itertools
+import math
+import random
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -83,8 +86,10 @@ class GpuJpegDecoder:
         self._chunk = chunk
         self.decode_batch = decode_batch or self._torchvision_decoder()
         self._hybrid, self._hybrid_min_jpegs = hybrid_decode, hybrid_min_jpegs
-        self._hybrid_share = hybrid_share if hybrid_decode is not None else 0.0
-        self._full_calls = self._hybrid_calls = 0  # counted to keep the share
+        share = Fraction(hybrid_share if hybrid_decode is not None else 0).limit_denominator(1000)
+        self._hybrid_share = share
+        # full calls so far, from a random place in the pattern: replicas out of phase
+        self._full_calls = random.randrange(share.denominator)
         self._threads = threading.local()
 
     def _torchvision_decoder(self) -> BatchDecode:
@@ -105,11 +110,17 @@ class GpuJpegDecoder:
         request pays for it: on an H200 the first request after ready took 4 s, all of it
         in decode."""
         jpegs = [_sample_jpeg(640, 480), _sample_jpeg(480, 640)]
+        hybrid = None
         if self._hybrid is not None:
             full = jpegs * -(-max(self._hybrid_min_jpegs, 1) // 2)
             with torch.cuda.stream(self._thread_stream()):
-                self._hybrid(full)  # a full call, whichever decoder the share gives it
-        return self.crops(jpegs)
+                # a full call, whichever decoder the share gives it; its images are kept
+                # until the crops below are done on the same stream: their memory is not
+                # handed to another decode while its kernels may still write it
+                hybrid = self._hybrid(full)
+        crops = self.crops(jpegs)
+        del hybrid
+        return crops
 
     def crops_many(self, requests: list[list[bytes]]) -> list[Crops]:
         """Several requests' JPEGs in one batched decode, then resized and cropped together
@@ -145,14 +156,11 @@ class GpuJpegDecoder:
         return images
 
     def _hybrid_turn(self) -> bool:
-        """Whether this full call goes to the hybrid decoder: one in 1/hybrid_share."""
-        if not self._hybrid_share:
-            return False
+        """Whether this full call goes to the hybrid decoder: hybrid_share of them do, spread
+        evenly (exact fractions: a share of 1/3 is one call in three, for ever)."""
+        share, before = self._hybrid_share, self._full_calls
         self._full_calls += 1
-        if self._hybrid_calls < self._hybrid_share * self._full_calls:
-            self._hybrid_calls += 1
-            return True
-        return False
+        return math.floor(self._full_calls * share) > math.floor(before * share)
 
     def _one_by_one(self, jpegs: list[bytes]) -> Crops:
         """The CPU path for each JPEG of a request nvJPEG refused, for its diagnosis."""

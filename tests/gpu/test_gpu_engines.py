@@ -8,6 +8,7 @@ import importlib.util
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,11 +217,14 @@ def test_background_capture_serves_at_once_and_adds_every_bucket(
 
 
 def test_compile_after_ready_serves_uncompiled_graphs_then_swaps_in_compiled_ones(
-    model, engine_reference, monkeypatch, tmp_path
+    model, engine_reference, monkeypatch
 ) -> None:
-    """Ready before anything is compiled; batches sent while the compiled graphs replace the
-    uncompiled ones get the same answers (to FP16's tolerance) as once they all have."""
+    """Ready before anything is compiled; each compiled bucket's graph then replaces its
+    uncompiled one in every slot, compiled once (its mark left); batches sent meanwhile get
+    the same answers (to FP16's tolerance) as once all are in."""
     import numpy as np
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from torch._inductor.utils import fresh_cache
 
     from engines import create_engine
     from engines.scores import softmax
@@ -233,25 +237,35 @@ def test_compile_after_ready_serves_uncompiled_graphs_then_swaps_in_compiled_one
         "_before_recapture",
         lambda self, bucket: gate.wait(60) and before(self, bucket),
     )
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # an empty cache: compiles
     batch = _batches(engine_reference, count=1, size=12)[0]
     options = {"compile_min_batch": 8, "compile_after_ready": True}
-    with create_engine("torch-cuda", model, max_batch_size=16, **options) as engine:
-        assert engine._runs_compiled == set()
+    stop = threading.Event()
+    with fresh_cache(), create_engine("torch-cuda", model, max_batch_size=16, **options) as engine:
+        assert engine._compiled_buckets == set()  # ready, nothing compiled
         during = [engine.infer(batch) for _ in range(3)]
         gate.set()
 
         def serve() -> None:
-            while not engine.captured.is_set():
+            while not engine.captured.is_set() and not stop.is_set():
                 during.append(engine.infer(batch))
 
         threads = [threading.Thread(target=serve) for _ in range(2)]
         for thread in threads:
             thread.start()
-        assert engine.captured.wait(600)
-        for thread in threads:
-            thread.join()
-        assert engine._runs_compiled == {8, 16}
+        try:
+            assert engine.captured.wait(600)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+        assert engine._compiled_buckets == {8, 16}
+        marks = list((Path(cache_dir()) / "raystream-compiled").glob("*.done"))
+        assert len(marks) == 2  # each bucket compiled once, on this empty cache
+        # every slot holds a graph per bucket, those of 8 and 16 captured from the compiled
+        # module (the only captures after their first compiled pass)
+        assert len(engine._slots.queue) == 2
+        for slot in engine._slots.queue:
+            assert sorted(slot.graphs) == list(engine.buckets)
         assert engine.planner.buckets == engine.buckets
         after = engine.infer(batch)
     for out in during:
