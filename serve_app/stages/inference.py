@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
@@ -93,6 +94,17 @@ def _warm_engine(config: AppConfig, model: ModelRef) -> Engine:
     return engine
 
 
+def _process_age_s() -> float:
+    """Seconds since this process started (Linux: /proc), NaN elsewhere: where a replica's
+    start goes, beside the engine's own time."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+    return uptime - ticks / os.sysconf("SC_CLK_TCK")
+
+
 def _kind(pixels) -> str:
     """Which batcher rows join: uint8 crops on the host, float32 client tensors, or crops
     already on the GPU (a torch tensor): they batch apart."""
@@ -126,7 +138,9 @@ class InferenceStage:
 
             sleep_in_every_gpu_wait(torch.device("cuda"))
         # Off the event loop: building and warming a GPU engine can take a minute.
+        began = time.perf_counter()
         self._engine = await asyncio.to_thread(_warm_engine, config, model)
+        engine_s = time.perf_counter() - began
         self._engine.time_gpu = tracing.enabled()  # the engine spans' raystream.gpu_ms
         cpu = self._engine.info.device == "cpu"
         self._executor = ThreadPoolExecutor(MAX_CONCURRENT_BATCHES, thread_name_prefix="engine")
@@ -157,7 +171,12 @@ class InferenceStage:
             for kind in ("uint8", "float32", "device")
         }
         self.reconfigure(BatchingConfig().model_dump())
-        logger.info("engine ready: %s", self._engine.info)
+        logger.info(
+            "engine ready: %s; %.1f s after the process started, the engine's own %.1f s",
+            self._engine.info,
+            _process_age_s(),
+            engine_s,
+        )
 
     async def close(self) -> None:
         """Release the engine (unload) once the batches already on its threads are done:
