@@ -172,10 +172,10 @@ class InferenceStage:
         }
         self.reconfigure(BatchingConfig().model_dump())
         logger.info(
-            "engine ready: %s; %.1f s after the process started, the engine's own %.1f s",
-            self._engine.info,
+            "engine ready %.1f s after the process started (the engine's own %.1f s): %s",
             _process_age_s(),
             engine_s,
+            self._engine.info,
         )
 
     async def close(self) -> None:
