@@ -184,35 +184,24 @@ class GraphEngine(Engine):
             self._add_buckets(others)
 
     def _add_buckets(self, buckets: list[int], recapture: tuple[int, ...] = ()) -> None:
-        started = time.perf_counter()
-        for bucket in buckets:
-            if self._closing:
-                return
-            with CAPTURING:
-                self._warm_up(bucket)
-            self._add_bucket(bucket)
-        if buckets:
-            logger.info(
-                "buckets %s captured in %.1f s; replay ms %s",
-                buckets,
-                time.perf_counter() - started,
-                self.replay_ms,
-            )
-        started = time.perf_counter()
-        for bucket in recapture:
-            if self._closing:
-                return
-            self._before_recapture(bucket)
-            with CAPTURING:
-                self._warm_up(bucket)
-            self._add_bucket(bucket)
-        if recapture:
-            logger.info(
-                "buckets %s captured again in %.1f s; replay ms %s",
-                list(recapture),
-                time.perf_counter() - started,
-                self.replay_ms,
-            )
+        for again, todo in ((False, buckets), (True, recapture)):
+            started = time.perf_counter()
+            for bucket in todo:
+                if self._closing:
+                    return
+                if again:
+                    self._before_recapture(bucket)
+                with CAPTURING:
+                    self._warm_up(bucket)
+                self._add_bucket(bucket)
+            if todo:
+                logger.info(
+                    "buckets %s captured%s in %.1f s; replay ms %s",
+                    list(todo),
+                    " again" if again else "",
+                    time.perf_counter() - started,
+                    self.replay_ms,
+                )
         self.captured.set()
 
     def _before_recapture(self, bucket: int) -> None:
