@@ -191,6 +191,11 @@ async def aembed_catalog(
             if not store.complete:
                 await start()
                 listed.check()
+                if not store.complete:  # a sender gone, its failure its own task's
+                    raise OutputError(
+                        f"the job ended with {scan.count - store.done} images neither "
+                        f"embedded nor failed; run the same command again to go on"
+                    )
         finally:
             store.close()
             if bar is not None:

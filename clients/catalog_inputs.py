@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 MANIFEST_FORMATS = ("text", "csv", "parquet")
 _BATCH_ROWS = 65_536  # Parquet rows read at a time
+BLOCK = 4_096  # entries of the list checked at once as it is read again (ScannedList)
 
 
 class InputError(CatalogError):
@@ -44,6 +45,9 @@ class CatalogItem:
 class Scan:
     count: int
     fingerprint: str  # of every (key, path) in order: another list, another fingerprint
+    # of each BLOCK of the list's entries in turn (16 bytes each: 40 KB for 10 million), so
+    # that the list read again is checked before any entry of a block is sent
+    blocks: tuple[bytes, ...] = ()
 
 
 def manifest_format(path: Path) -> str:
@@ -82,17 +86,25 @@ class CatalogInputs:
     def scan(self) -> Scan:
         """Counts, fingerprints and checks the list for a key given twice (8 bytes a key:
         80 MB for 10 million)."""
-        digest = hashlib.blake2b(digest_size=16)
+        digest, block = hashlib.blake2b(digest_size=16), hashlib.blake2b(digest_size=16)
+        blocks: list[bytes] = []
         key_hashes: list[np.ndarray] = []
         chunk: list[int] = []
         count = 0
         for item in self:
-            digest.update(_entry(item))
+            entry = _entry(item)
+            digest.update(entry)
+            block.update(entry)
             chunk.append(int.from_bytes(hashlib.blake2b(item.key.encode(), digest_size=8).digest()))
             count += 1
+            if count % BLOCK == 0:
+                blocks.append(block.digest())
+                block = hashlib.blake2b(digest_size=16)
             if len(chunk) == _BATCH_ROWS:
                 key_hashes.append(np.array(chunk, np.uint64))
                 chunk = []
+        if count % BLOCK:
+            blocks.append(block.digest())
         key_hashes.append(np.array(chunk, np.uint64))
         if count == 0:
             source = self._manifest or ", ".join(map(str, self._paths))
@@ -101,7 +113,7 @@ class CatalogInputs:
         repeated = hashes[1:][hashes[1:] == hashes[:-1]]
         if len(repeated):
             self._name_repeated_key(int(repeated[0]))
-        return Scan(count, digest.hexdigest())
+        return Scan(count, digest.hexdigest(), tuple(blocks))
 
     def as_scanned(self, scan: Scan) -> ScannedList:
         return ScannedList(self, scan)
@@ -195,37 +207,52 @@ class CatalogInputs:
 
 
 class ScannedList:
-    """The inputs read again as a job sends them, checked against their `scan` on the way:
-    `check()`, once read to the end, raises InputError if they were another list (a file
-    added to or removed from a folder, the manifest edited, since the scan). Iterating
-    stops at the scan's count, so a job never sends more than its output was made for."""
+    """The inputs read again as a job sends them, each BLOCK of entries checked against the
+    scan before any of them is handed out: a list that changed since (a file added to or
+    removed from a folder, the manifest edited) stops at the first block that differs, so
+    every entry handed out is the scan's, at the scan's place. `check()`, once read, raises
+    InputError where it stopped so. Never more than the scan's count."""
 
     def __init__(self, inputs: CatalogInputs, scan: Scan) -> None:
         self._inputs, self._scan = inputs, scan
         self.changed = False
 
     def __iter__(self) -> Iterator[CatalogItem]:
+        count, blocks = self._scan.count, self._scan.blocks
+        block: list[CatalogItem] = []
         digest = hashlib.blake2b(digest_size=16)
-        count = 0
-        for item in self._inputs:
-            if item.ordinal >= self._scan.count:
-                self.changed = True
-                return
+        items = iter(self._inputs)
+        for item in items:
+            if item.ordinal >= count:
+                break  # longer than the scan
+            block.append(item)
             digest.update(_entry(item))
-            count += 1
-            yield item
-        self.changed = count != self._scan.count or digest.hexdigest() != self._scan.fingerprint
+            if len(block) == BLOCK or item.ordinal == count - 1:
+                if digest.digest() != blocks[item.ordinal // BLOCK]:
+                    break
+                yield from block
+                block, digest = [], hashlib.blake2b(digest_size=16)
+                if item.ordinal == count - 1:  # the scan's whole list, unless it runs on
+                    self.changed = next(items, None) is not None
+                    return
+        self.changed = True  # it stopped short, ran longer, or a block differed
 
     def check(self) -> None:
         if self.changed:
             raise InputError(
-                "the inputs changed while the job ran (a file added or removed, or the manifest "
-                "edited): the vectors sent are committed, each under its own key, but the "
-                "output no longer matches one list; embed into another --out once the inputs "
-                "stay as they are"
+                "the inputs changed while the job ran (a file added or removed, or the "
+                "manifest edited): the images sent before the first change are committed, "
+                "and the output holds the list as the job began it; run again with the "
+                "inputs as they were, or embed into another --out"
             )
 
 
 def _entry(item: CatalogItem) -> bytes:
     """An item as the fingerprint reads it."""
-    return f"{item.key}\0{item.path}\n".encode()
+    try:
+        return f"{item.key}\0{item.path}\n".encode()
+    except UnicodeEncodeError:
+        raise InputError(
+            f"{item.path!r} (image {item.ordinal + 1}): its name is not valid UTF-8; "
+            f"rename the file"
+        ) from None

@@ -89,7 +89,12 @@ class EmbedJob:
         """`fp16`: the server sends each vector as halves (half the bytes on the wire)."""
         self._store = store
         self._dtype = pb.FLOAT16 if fp16 else pb.FLOAT32
-        self._fresh = _not_done(items, store)
+        self._source = _not_done(items, store)
+        # the source's next images, read ahead by a task of run()'s own: a stream that fails
+        # while the job waits for images then holds none of them (None: the source ended)
+        self._fresh: asyncio.Queue[CatalogItem | None] = asyncio.Queue(4 * batch_size)
+        self._source_ended = False
+        self._source_error: Exception | None = None
         self._model = model
         self._batch_size = batch_size
         self._in_flight = in_flight
@@ -103,6 +108,24 @@ class EmbedJob:
 
     async def run(self, stream: StreamFn) -> None:
         """Until every image is embedded or failed; commits as it goes and at the end."""
+        reading = asyncio.ensure_future(self._read_ahead())
+        try:
+            await self._streams(stream)
+        finally:
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
+        if self._source_error is not None:
+            raise self._source_error  # what was read before it is done and committed
+
+    async def _read_ahead(self) -> None:
+        try:
+            async for item in self._source:
+                await self._fresh.put(item)
+        except Exception as exc:  # the list could not be read on: run() raises it
+            self._source_error = exc
+        await self._fresh.put(None)
+
+    async def _streams(self, stream: StreamFn) -> None:
         streams_failed = 0  # in a row, none of them answering an image
         while True:
             before = self.embedded + self.failed
@@ -199,12 +222,28 @@ class EmbedJob:
                 self._store.commit()
 
     async def _next_chunk(self) -> list[_Pending]:
+        """Up to batch_size images: retries that are due, then fresh ones. It waits only
+        while it holds none (a stream cancelled meanwhile loses nothing): for a fresh image,
+        or until the first retry is due. Empty where the source ended and no retry is due."""
         chunk: list[_Pending] = []
         now = time.monotonic()
         while self._retries and self._retries[0][0] <= now and len(chunk) < self._batch_size:
             chunk.append(heapq.heappop(self._retries)[2])
-        while len(chunk) < self._batch_size and (item := await anext(self._fresh, None)):
-            chunk.append(_Pending(item))
+        while len(chunk) < self._batch_size and not self._source_ended:
+            if chunk:
+                if self._fresh.empty():
+                    break  # send what it has
+                item = self._fresh.get_nowait()
+            else:
+                due = self._retries[0][0] - time.monotonic() if self._retries else None
+                try:
+                    item = await asyncio.wait_for(self._fresh.get(), due)
+                except TimeoutError:
+                    break  # a retry is due
+            if item is None:
+                self._source_ended = True
+            else:
+                chunk.append(_Pending(item))
         return chunk
 
     def _answer(self, p: _Pending, code: int, message: str, result: pb.ImageResult | None) -> None:

@@ -155,14 +155,20 @@ class SenderPool:
                     await _send(child, line)
                 child.stdin.close()
         except (BrokenPipeError, ConnectionResetError):
-            return
+            # A sender gone: its own task says why; the others end their shares as they
+            # stand, and the job, incomplete, says so.
+            for child in children:
+                child.stdin.close()
 
     async def _receive(self, child: asyncio.subprocess.Process) -> None:
         """Frames from one child into the store, until it exits."""
         last_words: deque[str] = deque(maxlen=1)
         stderr = asyncio.ensure_future(_relay(child.stderr, last_words))
+        cut = False  # its output ended inside a frame
         try:
             failed = await self._frames(child)
+        except asyncio.IncompleteReadError:
+            failed, cut = "", True
         except BaseException:
             with contextlib.suppress(ProcessLookupError):
                 child.kill()  # else it waits on a full pipe for ever
@@ -172,8 +178,9 @@ class SenderPool:
             await stderr
         if failed:
             raise SenderFailed(failed)
-        if code != 0:
+        if code != 0 or cut:
             how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            how += ", in the middle of a frame" if cut else ""
             said = f"; its last words: {last_words[0]}" if last_words else ""
             raise SenderFailed(f"a sender process failed ({how}){said}")
 
@@ -186,7 +193,7 @@ class SenderPool:
             except asyncio.IncompleteReadError as end:
                 if end.partial:
                     raise
-                return ""
+                return ""  # its output ended between frames
             header_bytes, vector_bytes = FRAME.unpack(sizes)
             header = json.loads(await frames.readexactly(header_bytes))
             if "error" in header:
@@ -315,6 +322,8 @@ async def _send_share(out: BinaryIO) -> None:
     async with Client(settings["server"], connections=settings["connections"], **options) as c:
         await job.run(c.stream)
     store.commit()
+    if not parent.at_eof():  # never, unless EmbedJob stops before its source ends
+        raise CatalogError("a sender stopped before it had sent every image handed to it")
 
 
 async def _handed_out(parent: asyncio.StreamReader) -> AsyncIterator[CatalogItem]:

@@ -103,29 +103,41 @@ def test_a_changed_list_has_another_fingerprint_and_a_repeated_key_is_refused(tm
         CatalogInputs(manifest=tmp_path / "d.csv").scan()
 
 
-def test_a_list_that_changed_since_its_scan_is_reported_and_never_runs_longer(
-    tmp_path,
-) -> None:
+def test_a_list_read_again_hands_out_only_the_scans_entries(tmp_path, monkeypatch) -> None:
+    """Each block of the list is checked against the scan before any of it is handed out:
+    a list changed since stops before the first block that differs, one that runs longer
+    stops at the scan's count; check() then says the inputs changed."""
+    from clients import catalog_inputs
+
+    monkeypatch.setattr(catalog_inputs, "BLOCK", 2)
     folder = tmp_path / "photos"
     folder.mkdir()
-    for name in ("a.jpg", "b.jpg", "c.jpg"):
-        (folder / name).write_bytes(b"jpeg")
+    for name in ("a", "b", "c", "d", "e"):
+        (folder / f"{name}.jpg").write_bytes(b"jpeg")
     inputs = CatalogInputs([folder])
     scan = inputs.scan()
+    assert len(scan.blocks) == 3  # a b | c d | e
     same = inputs.as_scanned(scan)
-    assert [item.path for item in same] == [str(folder / n) for n in ("a.jpg", "b.jpg", "c.jpg")]
+    assert [Path(item.path).stem for item in same] == ["a", "b", "c", "d", "e"]
     same.check()
 
-    (folder / "a.jpg").unlink()
-    (folder / "aa.jpg").write_bytes(b"jpeg")  # as many files, another list
+    (folder / "d.jpg").rename(folder / "dd.jpg")  # as many files; the second block differs
     renamed = inputs.as_scanned(scan)
-    assert len(list(renamed)) == 3
+    assert [Path(item.path).stem for item in renamed] == ["a", "b"]
     with pytest.raises(InputError, match="the inputs changed while the job ran"):
         renamed.check()
 
-    (folder / "d.jpg").write_bytes(b"jpeg")  # one more than the scan: never sent
+    (folder / "dd.jpg").rename(folder / "d.jpg")
+    (folder / "f.jpg").write_bytes(b"jpeg")  # one more than the scan: never handed out
     longer = inputs.as_scanned(scan)
-    assert len(list(longer)) == 3 and longer.changed
+    assert [Path(item.path).stem for item in longer] == ["a", "b", "c", "d", "e"]
+    assert longer.changed
+
+    (folder / "f.jpg").unlink()
+    (folder / "e.jpg").unlink()  # one fewer: the last block is never whole
+    shorter = inputs.as_scanned(scan)
+    assert [Path(item.path).stem for item in shorter] == ["a", "b", "c", "d"]
+    assert shorter.changed
 
 
 # -- shards, failures, retries -------------------------------------------------------------------
@@ -246,6 +258,61 @@ def test_a_stream_that_fails_is_opened_again_and_then_given_up(tmp_path, monkeyp
     with pytest.raises(embed_job.ServerGone, match=r"failed 3 streams in a row .*run the same"):
         asyncio.run(gone.run(lambda requests: next(streams)(requests)))
     assert store.committed.vectors == gone.embedded == 2 * 4  # committed before giving up
+
+
+def test_a_stream_that_fails_while_the_source_stalls_loses_no_image(tmp_path) -> None:
+    """Images handed out by another process (`--senders`) may pause: a stream that fails
+    meanwhile leaves the images the job had taken to be sent again, and the source goes on
+    (each of the 20 embedded once)."""
+    import grpc
+
+    paths = _images(tmp_path / "photos", 20)
+    inputs = CatalogInputs(manifest=_manifest(tmp_path, paths))
+    fake, broke = FakeEmbeddings(dim=8), asyncio.Event()
+
+    async def source():
+        for item in list(inputs)[:10]:
+            yield item
+        await broke.wait()  # nothing for a while: the parent is busy with another sender
+        for item in list(inputs)[10:]:
+            yield item
+
+    async def stream(requests):
+        """As the client does: its own task sends; the first stream fails after two
+        answers, with that task cancelled wherever it waits."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def send() -> None:
+            async for request in requests:
+                await queue.put(request)
+            await queue.put(None)
+
+        sender = asyncio.ensure_future(send())
+        try:
+            answered = 0
+            while (request := await queue.get()) is not None:
+                if answered == 2 and not broke.is_set():
+                    await asyncio.sleep(0.05)  # the next request now waits for images
+                    broke.set()
+                    raise grpc.aio.AioRpcError(
+                        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), ""
+                    )
+                async for response in fake.stream(_one(request)):
+                    yield response
+                answered += 1
+        finally:
+            sender.cancel()
+
+    store = ShardStore(tmp_path / "out", _job(inputs))
+    job = EmbedJob(store, source(), model="fake/1", batch_size=4, attempts=3)
+    asyncio.run(job.run(stream))
+    store.close()
+    assert (job.embedded, job.failed) == (20, 0)
+    assert sorted(_read(tmp_path / "out")[0]) == [str(p) for p in paths]
+
+
+async def _one(request):
+    yield request
 
 
 # -- resume --------------------------------------------------------------------------------------
