@@ -103,6 +103,14 @@ def test_a_changed_list_has_another_fingerprint_and_a_repeated_key_is_refused(tm
         CatalogInputs(manifest=tmp_path / "d.csv").scan()
 
 
+def test_a_file_name_that_is_not_utf8_is_named(tmp_path) -> None:
+    (tmp_path / "ok.jpg").write_bytes(b"jpeg")
+    with open(os.path.join(bytes(tmp_path), b"caf\xe9.jpg"), "wb") as f:
+        f.write(b"jpeg")
+    with pytest.raises(InputError, match=r"caf\\udce9.jpg' \(image 1\): its name is not valid"):
+        CatalogInputs([tmp_path]).scan()
+
+
 def test_a_list_read_again_hands_out_only_the_scans_entries(tmp_path, monkeypatch) -> None:
     """Each block of the list is checked against the scan before any of it is handed out:
     a list changed since stops before the first block that differs, one that runs longer
