@@ -47,7 +47,7 @@ class Scan:
     fingerprint: str  # of every (key, path) in order: another list, another fingerprint
     # of each BLOCK of the list's entries in turn (16 bytes each: 40 KB for 10 million), so
     # that the list read again is checked before any entry of a block is sent
-    blocks: tuple[bytes, ...] = ()
+    blocks: tuple[bytes, ...]
 
 
 def manifest_format(path: Path) -> str:

@@ -26,6 +26,7 @@ from clients.catalog_errors import CatalogError
 from clients.catalog_inputs import CatalogItem
 from clients.client import vector_of
 from clients.shard_store import ShardStore
+from clients.spread import as_async
 from raystream.v1 import classifier_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -53,14 +54,9 @@ async def _not_done(
     items: Iterable[CatalogItem] | AsyncIterable[CatalogItem], store: ShardStore
 ) -> AsyncIterator[CatalogItem]:
     """The items (a list read here, or handed out by another process) not yet in `store`."""
-    if isinstance(items, AsyncIterable):
-        async for item in items:
-            if not store.is_done(item.ordinal):
-                yield item
-    else:
-        for item in items:
-            if not store.is_done(item.ordinal):
-                yield item
+    async for item in as_async(items):
+        if not store.is_done(item.ordinal):
+            yield item
 
 
 def backoff(attempt: int) -> float:

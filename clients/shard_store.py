@@ -199,11 +199,6 @@ class ShardStore:
         return self.committed.done_below + len(self._done_above)
 
     @property
-    def done_above(self) -> list[int]:
-        """The ordinals committed out of order, above `committed.done_below`."""
-        return sorted(self._done_above)
-
-    @property
     def complete(self) -> bool:
         return self.committed.complete
 
