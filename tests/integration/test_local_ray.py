@@ -226,7 +226,7 @@ def test_start_and_stop_print_no_warning_or_error(server) -> None:
     assert "Cannot deregister autoscaling state" not in output, output[-3000:]
     assert "graceful_shutdown failed" not in output, output[-3000:]
     traceback = output.find("Traceback")
-    assert traceback < 0, output[max(0, traceback - 1000) : traceback + 4000]  # the first one
+    assert traceback < 0, output[traceback : traceback + 20000]  # the first one, whole
     assert "Got KeyboardInterrupt, shutting down" in output  # it did stop, as Ctrl-C does
     # one SIGINT for `serve run`: a second (passed on by raystream) cut its shutdown short
     assert "Aborted!" not in output, output[-3000:]
