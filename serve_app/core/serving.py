@@ -304,7 +304,7 @@ class ServingCore:
             job = dataclasses.replace(job, deadline=time.time() + budget_s)
         pending = _Pending(job, reply, stream, time.perf_counter())
         if tracing.enabled():
-            pending.trace = tracing.start_request(job, trace_parent, stream)
+            pending.trace = tracing.start_request(job, trace_parent, stream, pending.started)
         self.in_flight_by_model[job.model] += 1
         if budget_s is not None:
             late = DeadlineExceeded(f"no answer within the {budget_s * 1000:.0f} ms deadline")

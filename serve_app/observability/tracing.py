@@ -192,11 +192,13 @@ class RequestTrace:
         self.span.end()
 
 
-def start_request(job: Job, parent: str, stream: str) -> RequestTrace | None:
-    """A request's root span at the ingress, under its client's `parent` traceparent if it
-    sent one; None where tracing is off or the request is not sampled."""
+def start_request(job: Job, parent: str, stream: str, started: float) -> RequestTrace | None:
+    """A request's root span at the ingress from `started` (perf_counter, the instant its
+    latency counts from), under its client's `parent` traceparent if it sent one; None where
+    tracing is off or the request is not sampled."""
     if _tracer is None:
         return None
+    start_ns = _ns(started)
     span = _tracer.start_span(
         "raystream.request",
         _context(parent) if parent else None,
@@ -208,10 +210,11 @@ def start_request(job: Job, parent: str, stream: str) -> RequestTrace | None:
             "raystream.images": job.count,
             "raystream.stream": stream,
         },
+        start_time=start_ns,
     )
     if not span.is_recording():
         return None
-    return RequestTrace(span, time.time_ns())
+    return RequestTrace(span, start_ns)
 
 
 # -- a stage replica -----------------------------------------------------------------------
