@@ -27,6 +27,7 @@ import fnmatch
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -371,7 +372,8 @@ def run_embed_load(load_def: dict, target: str, path: Path) -> dict:
     """One `raystream embed` command over a manifest of `rows` keys (the built-in photos over
     and over), into Parquet shards in a fresh folder, with the command's own choice of
     connections, requests in flight and sender processes unless the load sets them;
-    images/s over its whole run, start and the last shard's write included."""
+    images/s over its whole run, start and the last shard's write included, and the CPU the
+    command and its sender processes spent (in cores over that run)."""
     rows = int(load_def.get("rows", 20_000))
     work = Path(tempfile.mkdtemp(prefix="raystream-embed-"))
     photos = sorted(builtin_photos().iterdir())
@@ -385,20 +387,31 @@ def run_embed_load(load_def: dict, target: str, path: Path) -> dict:
     for field in ("connections", "in_flight", "senders"):
         if load_def.get(field):
             command += [f"--{field.replace('_', '-')}", str(load_def[field])]
-    start = time.perf_counter()
+    start, cpu_before = time.perf_counter(), _children_cpu_s()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     seconds = time.perf_counter() - start
+    client_cores = (_children_cpu_s() - cpu_before) / seconds
     shutil.rmtree(work, ignore_errors=True)
     if done.returncode != 0:
         report = {"failed": f"raystream embed exited {done.returncode}: {done.stderr[-300:]}"}
     else:
         report = {"images_per_s": rows / seconds, "seconds": seconds, "rows": rows}
+        report["client_cores"] = client_cores
         senders = load_def.get("senders", 1)
-        report["summary"] = f"{rows} keys in {seconds:.1f} s by one raystream embed command" + (
-            f" ({senders} sender processes)" if senders > 1 else ""
+        report["summary"] = (
+            f"{rows} keys in {seconds:.1f} s by one raystream embed command"
+            + (f" ({senders} sender processes)" if senders > 1 else "")
+            + f", {client_cores:.2f} cores of its own"
         )
+
     path.write_text(json.dumps(report, indent=1))
     return report
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process' finished children and theirs (a command's senders)."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 def run_grpc_load(
