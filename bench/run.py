@@ -230,13 +230,15 @@ class ServerProcesses:
         return time.time() - start
 
     def measure(self, start: float, end: float, stop: threading.Event) -> dict:
-        """Sleeps until `start`, samples until `end`; the CPU seconds spent in between."""
+        """Sleeps until `start`, samples until `end` (or `stop`); the CPU seconds spent in
+        between."""
         time.sleep(max(start - time.time(), 0))
         first, host_before, throttled_before = self.scan(), _host_ticks(), _throttled()
         last = dict(first)
         while time.time() < end and not stop.is_set():
             time.sleep(min(self.interval, max(end - time.time(), 0)))
             last.update(self.scan())
+        seconds = min(time.time(), end) - start
         by_name: dict[str, float] = {}
         busiest = ("", 0.0)  # one process's CPU bounds what its connections get
         for key, (ticks, name) in last.items():
@@ -244,7 +246,7 @@ class ServerProcesses:
             by_name[name] = by_name.get(name, 0.0) + spent
             busiest = max(busiest, (name, spent), key=lambda pair: pair[1])
         host = {
-            kind: (after - before) / TICK / (end - start)
+            kind: (after - before) / TICK / seconds
             for kind, before, after in zip(HOST_TICKS, host_before, _host_ticks(), strict=True)
         }
         throttled = {
@@ -261,7 +263,7 @@ class ServerProcesses:
             **({"cgroup_throttled": throttled} if throttled else {}),
             "processes": len(last),
             "cpu_s_by_process": dict(sorted(by_name.items(), key=lambda kv: -kv[1])),
-            "busiest_process": {"name": busiest[0], "cores": busiest[1] / (end - start)},
+            "busiest_process": {"name": busiest[0], "cores": busiest[1] / seconds},
         }
 
 
@@ -368,12 +370,13 @@ def builtin_photos() -> Path:
     return _PHOTOS[0]
 
 
-def run_embed_load(load_def: dict, target: str, path: Path) -> dict:
+def run_embed_load(load_def: dict, target: str, tree: ServerProcesses, path: Path) -> dict:
     """One `raystream embed` command over a manifest of `rows` keys (the built-in photos over
     and over), into Parquet shards in a fresh folder, with the command's own choice of
     connections, requests in flight and sender processes unless the load sets them;
-    images/s over its whole run, start and the last shard's write included, and the CPU the
-    command and its sender processes spent (in cores over that run)."""
+    images/s over its whole run, start and the last shard's write included; the CPU the
+    command and its sender processes spent (in cores over that run), and the server's and
+    the machine's over the same time (is the host's CPU what holds the job back?)."""
     rows = int(load_def.get("rows", 20_000))
     work = Path(tempfile.mkdtemp(prefix="raystream-embed-"))
     photos = sorted(builtin_photos().iterdir())
@@ -387,8 +390,19 @@ def run_embed_load(load_def: dict, target: str, path: Path) -> dict:
     for field in ("connections", "in_flight", "senders"):
         if load_def.get(field):
             command += [f"--{field.replace('_', '-')}", str(load_def[field])]
+    measured: dict = {}
+    stop = threading.Event()
+    now = time.time()
+    sampler = threading.Thread(
+        target=lambda: measured.update(tree.measure(now, now + 1800, stop)), daemon=True
+    )
+    sampler.start()
     start, cpu_before = time.perf_counter(), _children_cpu_s()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    finally:
+        stop.set()
+        sampler.join(30)
     seconds = time.perf_counter() - start
     client_cores = (_children_cpu_s() - cpu_before) / seconds
     shutil.rmtree(work, ignore_errors=True)
@@ -397,6 +411,9 @@ def run_embed_load(load_def: dict, target: str, path: Path) -> dict:
     else:
         report = {"images_per_s": rows / seconds, "seconds": seconds, "rows": rows}
         report["client_cores"] = client_cores
+        report["server_cpu"] = measured
+        if measured:
+            report["cpu_ms_per_image"] = measured["cpu_s"] * 1000.0 / rows
         senders = load_def.get("senders", 1)
         report["summary"] = (
             f"{rows} keys in {seconds:.1f} s by one raystream embed command"
@@ -830,7 +847,7 @@ def run_server(scenario: str, server: dict, loads: list[dict], port: int, args) 
                     for load_def in remote:
                         target, path = f"127.0.0.1:{port}", out / f"{load_def['name']}.json"
                         if load_def["kind"] == "embed":
-                            report = run_embed_load(load_def, target, path)
+                            report = run_embed_load(load_def, target, tree, path)
                         else:
                             report = run_grpc_load(
                                 load_def, target, tree, path, args.profile, args.host_probe
