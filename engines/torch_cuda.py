@@ -40,6 +40,10 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Processes of a host that compile from inductor's cache at a time while serving
 # (compile_after_ready): each trace takes a core for seconds, which serving then lacks.
 COMPILES_AT_ONCE = 4
+# Inductor's kernel-compiling workers in a process that compiles while serving: by default
+# one per core of the host, all busy for the seconds of a first compile while the host's
+# other replicas serve.
+COMPILE_THREADS_WHILE_SERVING = 4
 
 
 class TorchCudaEngine(GraphEngine):
@@ -120,6 +124,10 @@ class TorchCudaEngine(GraphEngine):
         # the buckets whose graphs run the compiled module (those to compile, once they are)
         self._runs_compiled = set() if after_ready else set(compiled)
         self._compile_at_once = COMPILES_AT_ONCE if after_ready else 0
+        if after_ready and compiled:
+            import torch._inductor.config as inductor
+
+            inductor.compile_threads = min(inductor.compile_threads, COMPILE_THREADS_WHILE_SERVING)
         self._compile_name = compile_name
         self._compiled_buckets: set[int] = set()  # compiled in this process
         self._warm_stream = torch.cuda.Stream(self.device)

@@ -223,12 +223,13 @@ def test_compile_after_ready_serves_uncompiled_graphs_then_swaps_in_compiled_one
     uncompiled one in every slot, compiled once (its mark left); batches sent meanwhile get
     the same answers (to FP16's tolerance) as once all are in."""
     import numpy as np
+    from torch._inductor import config as inductor
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     from torch._inductor.utils import fresh_cache
 
     from engines import create_engine
     from engines.scores import softmax
-    from engines.torch_cuda import TorchCudaEngine
+    from engines.torch_cuda import COMPILE_THREADS_WHILE_SERVING, TorchCudaEngine
 
     # Hold the first compile until batches have run on the uncompiled graphs.
     gate, before = threading.Event(), TorchCudaEngine._before_recapture
@@ -242,6 +243,7 @@ def test_compile_after_ready_serves_uncompiled_graphs_then_swaps_in_compiled_one
     stop = threading.Event()
     with fresh_cache(), create_engine("torch-cuda", model, max_batch_size=16, **options) as engine:
         assert engine._compiled_buckets == set()  # ready, nothing compiled
+        assert inductor.compile_threads <= COMPILE_THREADS_WHILE_SERVING  # a few cores only
         during = [engine.infer(batch) for _ in range(3)]
         gate.set()
 
