@@ -420,7 +420,6 @@ def run_embed_load(load_def: dict, target: str, tree: ServerProcesses, path: Pat
             + (f" ({senders} sender processes)" if senders > 1 else "")
             + f", {client_cores:.2f} cores of its own"
         )
-
     path.write_text(json.dumps(report, indent=1))
     return report
 
